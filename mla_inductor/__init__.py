@@ -1,0 +1,25 @@
+"""mla_inductor: TorchInductor fusions for CPU inference of DeepSeek-style (MLA) models.
+
+    torch.compile(model, backend="mla_inductor")                      # no import needed
+    torch.compile(model, options=mla_inductor.inductor_options())     # same passes, stock backend
+"""
+
+__version__ = "0.1.0"
+
+from . import ops  # noqa: F401  (registers the mla:: ops; cached artefacts call them)
+from . import lowerings  # noqa: F401  (registers their Inductor lowerings)
+from .backend import inductor_options, mla_inductor_backend as backend
+from .config import FUSIONS
+from .explain import Explanation, explain, fusion_counts, reset_counts
+from .passes import MLAPass
+
+__all__ = [
+    "FUSIONS",
+    "Explanation",
+    "MLAPass",
+    "backend",
+    "explain",
+    "fusion_counts",
+    "inductor_options",
+    "reset_counts",
+]

@@ -1,0 +1,71 @@
+"""The `mla_inductor` torch.compile backend: Inductor's compile_fx with MLAPass installed.
+
+Found through the `torch_dynamo_backends` entry point, so `torch.compile(m, backend="mla_inductor")`
+works without importing this package first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, Optional
+
+import torch
+from torch._inductor import config as inductor_config
+from torch._inductor.custom_graph_pass import get_custom_graph_passes
+
+from . import config as mla_config
+from .passes import MLAPass
+
+# Inductor config key -> the MLAPass stage it runs.
+_PASS_SLOTS = {"joint_custom_post_pass": "joint", "post_grad_custom_post_pass": "post_grad"}
+
+
+def split_options(options: Optional[Mapping[str, Any]]) -> tuple[dict[str, Any], mla_config.Config]:
+    """Separate this project's `mla_inductor.*` keys from Inductor's own."""
+    inductor_options, own = {}, {}
+    for key, value in (options or {}).items():
+        if key.startswith(mla_config.OPTION_PREFIX):
+            own[key[len(mla_config.OPTION_PREFIX) :]] = value
+        else:
+            inductor_options[key] = value
+    return inductor_options, mla_config.Config.from_options(own)
+
+
+def install_passes(patches: dict[str, Any], config: mla_config.Config) -> dict[str, Any]:
+    """Append MLAPass to whatever custom passes the user (or the global config) installed."""
+    for key, stage in _PASS_SLOTS.items():
+        existing = patches.get(key, getattr(inductor_config, key))
+        theirs = [p for p in get_custom_graph_passes(existing) if not isinstance(p, MLAPass)]
+        patches[key] = [*theirs, MLAPass(stage, config)]
+    return patches
+
+
+def inductor_options(**own: Any) -> dict[str, Any]:
+    """The `options=` dict that gives the stock `inductor` backend the same passes.
+
+    `own` takes this project's keys without prefix, e.g. `inductor_options(fusions={"rope": False})`.
+    """
+    return install_passes({}, mla_config.Config.from_options(own))
+
+
+def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
+    from torch._inductor import list_mode_options
+    from torch._inductor.compile_fx import compile_fx
+
+    own_options, config = split_options(options)
+    patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
+    patches.update(own_options)
+    if patches.get("freezing") and not inductor_config.freezing:
+        # Dynamo decides at trace time whether parameters may become constants; by the time a
+        # backend sees options the graph is traced, and compile_fx would silently not freeze.
+        warnings.warn(
+            "options={'freezing': True} reaches a backend after tracing and has no effect; "
+            "set torch._inductor.config.freezing = True (or use config.patch) around the first call",
+            stacklevel=2,
+        )
+    install_passes(patches, config)
+    previous = mla_config.set_active(config)
+    try:
+        return compile_fx(gm, example_inputs, config_patches=patches)
+    finally:
+        mla_config.set_active(previous)

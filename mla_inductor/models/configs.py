@@ -1,0 +1,134 @@
+"""DeepSeek MLA configurations shared by the serving-style model and the transformers builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    name: str
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: Optional[int]  # None: one q_proj instead of q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    num_layers: int
+    vocab_size: int
+    intermediate_size: int  # dense MLP of the transformers model; the serving model has none
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[tuple[tuple[str, float], ...]] = None  # YaRN parameters as in the released configs
+    max_position_embeddings: int = 4096
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Width of one latent KV-cache row: c_kv ‖ k_pe."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def yarn(self) -> Optional[dict[str, float]]:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim**-0.5
+        yarn = self.yarn
+        if yarn and yarn.get("mscale_all_dim"):
+            m = yarn_mscale(yarn["factor"], yarn["mscale_all_dim"])
+            scale *= m * m
+        return scale
+
+    def replace(self, **changes) -> MLAConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+_DEEPSEEK_V3_YARN = (
+    ("factor", 40.0),
+    ("original_max_position_embeddings", 4096),
+    ("beta_fast", 32.0),
+    ("beta_slow", 1.0),
+    ("mscale", 1.0),
+    ("mscale_all_dim", 1.0),
+)
+
+DEEPSEEK_V3 = MLAConfig(
+    name="deepseek-v3",
+    hidden_size=7168,
+    num_heads=128,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_layers=61,
+    vocab_size=129280,
+    intermediate_size=18432,
+    rope_scaling=_DEEPSEEK_V3_YARN,
+    max_position_embeddings=163840,
+)
+
+# One tensor-parallel rank of DeepSeek-V3 at TP=6 with heads padded 128 -> 132: 22 heads per rank,
+# q_b_proj [22*192, 1536] = [4224, 1536], w_kc [22, 512, 128]. The shape SGLang's CPU kernels are tuned for.
+DEEPSEEK_V3_TP22 = DEEPSEEK_V3.replace(name="deepseek-v3-tp22", num_heads=22)
+
+DEEPSEEK_V2_LITE = MLAConfig(
+    name="deepseek-v2-lite",
+    hidden_size=2048,
+    num_heads=16,
+    q_lora_rank=None,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_layers=27,
+    vocab_size=102400,
+    intermediate_size=10944,
+    rope_scaling=(
+        ("factor", 40.0),
+        ("original_max_position_embeddings", 4096),
+        ("beta_fast", 32.0),
+        ("beta_slow", 1.0),
+        ("mscale", 0.707),
+        ("mscale_all_dim", 0.707),
+    ),
+    max_position_embeddings=163840,
+)
+
+# All dimensions distinct (qk_head_dim 48 != v_head_dim 32, as 192 != 128 in the real model) so that
+# a pattern cannot match by a coincidence of sizes.
+TINY = MLAConfig(
+    name="tiny",
+    hidden_size=256,
+    num_heads=4,
+    q_lora_rank=96,
+    kv_lora_rank=64,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    num_layers=2,
+    vocab_size=512,
+    intermediate_size=512,
+    rope_scaling=_DEEPSEEK_V3_YARN,
+    max_position_embeddings=4096,
+)
+
+CONFIGS = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V3_TP22, DEEPSEEK_V2_LITE, TINY)}
+
+
+def get_config(name: str, **overrides) -> MLAConfig:
+    if name not in CONFIGS:
+        raise ValueError(f"unknown config {name!r}; known: {', '.join(CONFIGS)}")
+    return CONFIGS[name].replace(**overrides) if overrides else CONFIGS[name]

@@ -1,0 +1,1 @@
+"""The mla:: custom ops: schema, eager reference and fake (meta) implementation, one module per fused op."""

@@ -1,0 +1,69 @@
+"""MLAPass: the one custom graph pass that applies every registered fusion.
+
+It is installed twice per compile:
+- as `joint_custom_post_pass`: under `freezing=True` this is the last stage that still holds `aten.mm`
+  (freezing later packs weights into `mkldnn._linear_pointwise`); views there are `aten.view`;
+- as `post_grad_custom_post_pass`: without freezing; views there are `aten.reshape`.
+Each stage has its own PatternMatcherPass because patterns are traced differently for each.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pathlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.pattern_matcher import PatternMatcherPass
+
+from . import config as mla_config
+
+STAGES = ("joint", "post_grad")
+_PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+_SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".hpp", ".j2", ".jinja"}
+
+
+def pattern_pass(stage: str) -> PatternMatcherPass:
+    return _PASSES[stage]
+
+
+def source_hash() -> str:
+    """Hash of every source file of the package: Python, C++ and templates.
+
+    Inductor's FX-graph cache keys on torch's own sources and on pass uuids, never on third-party
+    lowerings or templates; a uuid that missed a template file would serve stale C++ silently.
+    Computed on every call (a few dozen small files) so that an edit is seen without a restart.
+    """
+    hasher = hashlib.sha256()
+    for path in sorted(_PACKAGE_DIR.rglob("*")):
+        if path.suffix in _SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+            hasher.update(str(path.relative_to(_PACKAGE_DIR)).encode())
+            hasher.update(path.read_bytes())
+    return hasher.hexdigest()
+
+
+class MLAPass(CustomGraphPass):
+    def __init__(self, stage: str, config: mla_config.Config | None = None) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        self.stage = stage
+        self.config = config or mla_config.Config()
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from .patterns import register_all
+
+        register_all()
+        # Left set after the pass: the lowerings of this compile run later and read it. Every
+        # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
+        mla_config.set_active(self.config)
+        if _PASSES[self.stage].apply(graph):
+            graph.eliminate_dead_code()
+
+    def uuid(self) -> str:
+        from . import __version__
+
+        return f"mla_inductor-{__version__}-{self.stage}-{source_hash()}-{self.config!r}"
+
+    def __repr__(self) -> str:
+        return f"MLAPass({self.stage!r})"

@@ -1,0 +1,378 @@
+"""The speedup report: `python -m mla_inductor.report` (or `make report`).
+
+For each case (model x phase x batch x context) it builds the model once, compiles it under each
+variant, and times all variants in one process, interleaved:
+
+- eager;
+- stock: `torch.compile` with default options;
+- stock-frozen: stock with `freezing=True` and `cpp.enable_concat_linear=True` (Inductor's own
+  q_a/kv_a concat); "stock at its best" is the faster of stock and stock-frozen, measured;
+- mla_inductor: `backend="mla_inductor"` with the same freezing options, so that the ratio to
+  stock-frozen isolates this project's passes.
+
+Decode cases report the fraction of the memory roofline (weights + the KV cache read, over the copy
+bandwidth measured in this run); prefill cases the fraction of oneDNN's GEMM throughput measured in
+this run. Results go to stdout and to reports/<name>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import platform
+import sys
+from typing import Callable, Optional
+
+import torch
+
+from . import benchmarking, fusion_counts, reset_counts
+from .models import build_model, get_config, make_block_tables, weight_bytes
+from .models.configs import MLAConfig
+
+VARIANTS = ("eager", "stock", "stock-frozen", "mla_inductor")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+MIN_DECODE_WEIGHT_BYTES = 160 << 20  # comfortably beyond 128 MiB, four times the 32 MiB L3
+BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str  # "serving" or "hf"
+    phase: str  # "decode" or "prefill"
+    batch: int
+    context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
+
+    @property
+    def label(self) -> str:
+        what = f"ctx {self.context}" if self.phase == "decode" else f"{self.context} tok"
+        return f"{self.model} {self.phase} B={self.batch} {what}"
+
+
+@dataclasses.dataclass
+class Workload:
+    """A model with inputs for one case: `run()` is one call; `reset()` restores mutated state."""
+
+    module: torch.nn.Module
+    fn: Callable  # fn(*args) -> logits; the thing compiled
+    args: tuple
+    reset: Callable[[], None]
+    weight_bytes: int
+    kv_bytes: int
+    flops: float
+
+
+def _layers_for(weights_per_layer: int) -> int:
+    return max(2, math.ceil(MIN_DECODE_WEIGHT_BYTES / weights_per_layer))
+
+
+def _attention_flops(config: MLAConfig, batch: int, new_tokens: int, context: int, absorbed: bool) -> float:
+    h = config.num_heads
+    if absorbed:  # q·K over latent rows (L + R) and P·V over L, per head
+        return 2.0 * batch * new_tokens * h * context * (config.latent_dim + config.kv_lora_rank)
+    return 2.0 * batch * new_tokens * h * context * (config.qk_head_dim + config.v_head_dim)
+
+
+def _matmul_weight_elements(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
+    model = build_model(config, dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    b, ctx = case.batch, case.context
+    block_tables, num_blocks = make_block_tables(b, ctx, BLOCK_SIZE, seed=seed)
+    caches = model.allocate_kv_cache(num_blocks, BLOCK_SIZE)
+    for cache in caches:  # written memory, with the scale of normed latents
+        cache.normal_(generator=gen)
+    seq_lens = torch.full((b,), ctx, dtype=torch.int64)
+    kv_bytes = sum(b * ctx * c.shape[-1] * c.element_size() for c in caches)
+    linear = _matmul_weight_elements(model)
+    if case.phase == "decode":
+        ids = torch.randint(0, config.vocab_size, (b,), generator=gen)
+        flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
+        fn, args = model.forward_decode, (ids, caches, block_tables, seq_lens)
+    else:
+        ids = torch.randint(0, config.vocab_size, (b, ctx), generator=gen)
+        # kv_b_proj decompresses all ctx rows; causal attention does half the square
+        flops = 2.0 * b * ctx * linear + config.num_layers * _attention_flops(config, b, ctx, ctx, False) / 2
+        fn, args = model.forward_prefill, (ids, caches, block_tables, seq_lens)
+    return Workload(model, fn, args, lambda: None, weight_bytes(model), kv_bytes, flops)
+
+
+def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
+    from transformers import StaticCache
+
+    from .models.hf import build_hf_model
+
+    model = build_hf_model(config, arch="v3", dtype=dtype, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    b, ctx = case.batch, case.context
+    linear = _matmul_weight_elements(model)
+    wbytes = weight_bytes(model, exclude=("model.embed_tokens",))
+    if case.phase == "prefill":
+        ids = torch.randint(0, config.vocab_size, (b, ctx), generator=gen)
+        flops = 2.0 * b * ctx * linear + config.num_layers * _attention_flops(config, b, ctx, ctx, False) / 2
+
+        def prefill(input_ids):
+            return model(input_ids=input_ids, use_cache=False).logits
+
+        return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
+
+    cache = StaticCache(config=model.config, max_cache_len=ctx)
+    ids = torch.randint(0, config.vocab_size, (b, 1), generator=gen)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # allocates the layers' buffers
+    for layer in cache.layers:
+        layer.keys.normal_(generator=gen)
+        layer.values.normal_(generator=gen)
+
+    def reset() -> None:
+        for layer in cache.layers:
+            layer.cumulative_length.fill_(ctx - 1)
+
+    def decode(input_ids):
+        return model(input_ids=input_ids, past_key_values=cache, use_cache=True).logits
+
+    kv_bytes = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                   for layer in cache.layers)
+    flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
+    return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
+
+
+def compile_variant(variant: str, workload: Workload) -> tuple[Callable[[], object], dict[str, int]]:
+    """Compile and warm one variant; returns a zero-argument call and the fusion counts it produced."""
+    fn, args = workload.fn, workload.args
+    # The frozen variants also pass the options explicitly: the global flag is what makes Dynamo
+    # trace for freezing, and distinct options keep Dynamo from reusing the code compiled for
+    # "stock" (backends that compare equal share cache entries).
+    frozen_options = {"freezing": True, "cpp.enable_concat_linear": True}
+    if variant == "eager":
+        compiled = fn
+    elif variant == "stock":
+        compiled = torch.compile(fn, dynamic=False)
+    elif variant == "stock-frozen":
+        compiled = torch.compile(fn, dynamic=False, options=frozen_options)
+    elif variant == "mla_inductor":
+        compiled = torch.compile(fn, backend="mla_inductor", dynamic=False, options=frozen_options)
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    reset_counts()
+    frozen = variant in ("stock-frozen", "mla_inductor")
+    with torch.no_grad(), (benchmarking.inference_freezing() if frozen else contextlib.nullcontext()):
+        workload.reset()
+        compiled(*args)  # traces and compiles here; freezing must be on while tracing
+    counts = {k: v for k, v in fusion_counts().items() if v} if variant == "mla_inductor" else {}
+
+    def call() -> object:
+        workload.reset()
+        with torch.no_grad():
+            return compiled(*args)
+
+    return call, counts
+
+
+def run_case(
+    case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
+    gemm: float, progress,
+) -> dict:
+    build = serving_workload if case.model == "serving" else hf_workload
+    workload = build(config, case, dtype)
+    fns, counts = {}, {}
+    for variant in variants:
+        progress.set_postfix_str(f"{case.label}: compile {variant}")
+        fns[variant], c = compile_variant(variant, workload)
+        counts.update(c)
+        progress.update(1)
+    progress.set_postfix_str(f"{case.label}: timing")
+    times = benchmarking.interleaved_medians(fns, rounds=rounds, calls=calls)
+    progress.update(1)
+    torch._dynamo.reset()
+
+    if case.phase == "decode":
+        roofline = (workload.weight_bytes + workload.kv_bytes) / bandwidth
+    else:
+        roofline = workload.flops / gemm
+    stock_best = min(t for v, t in times.items() if v.startswith("stock"))
+    result = {
+        "case": dataclasses.asdict(case),
+        "label": case.label,
+        "config": config.name,
+        "layers": config.num_layers,
+        "weight_bytes": workload.weight_bytes,
+        "kv_bytes": workload.kv_bytes,
+        "flops": workload.flops,
+        "roofline_s": roofline,
+        "times_s": times,
+        "roofline_fraction": {v: roofline / t for v, t in times.items()},
+        "fusion_counts": counts,
+    }
+    if "mla_inductor" in times:
+        ours = times["mla_inductor"]
+        result["speedup"] = {
+            "vs_eager": times.get("eager", math.nan) / ours,
+            "vs_stock": times.get("stock", math.nan) / ours,
+            "vs_stock_best": stock_best / ours,
+        }
+    del workload
+    return result
+
+
+def to_markdown(report: dict) -> str:
+    variants = report["variants"]
+    head = ["case", "layers"] + [f"{v} ms" for v in variants]
+    head += ["x eager", "x stock", "x stock best", "roofline (ours)", "roofline (stock best)", "fusions"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in report["results"]:
+        t = r["times_s"]
+        s = r.get("speedup", {})
+        best = min((v for v in t if v.startswith("stock")), key=lambda v: t[v], default=None)
+        frac = r["roofline_fraction"]
+        row = [r["label"], str(r["layers"])] + [f"{t[v] * 1e3:.2f}" for v in variants]
+        row += [f"{s.get(k, math.nan):.2f}" for k in ("vs_eager", "vs_stock", "vs_stock_best")]
+        row += [f"{frac.get('mla_inductor', math.nan):.0%}", f"{frac[best]:.0%}" if best else "-"]
+        row.append(", ".join(f"{k}={v}" for k, v in r["fusion_counts"].items()) or "none")
+        lines.append("| " + " | ".join(row) + " |")
+    m = report["machine"]
+    lines.append("")
+    lines.append(
+        f"Measured in this run: copy bandwidth {m['copy_bandwidth_GBps']:.1f} GB/s, oneDNN {report['dtype']} GEMM "
+        f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}. Roofline: decode = (weights + KV "
+        "cache read) / copy bandwidth; prefill = FLOPs / GEMM throughput. Times are medians of interleaved rounds."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = [r for r in report["results"] if "speedup" in r]
+    labels = [r["label"] for r in results]
+    keys = (("vs_eager", "vs eager"), ("vs_stock", "vs stock compile"), ("vs_stock_best", "vs stock at its best"))
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4))
+    width = 0.8 / len(keys)
+    for i, (key, name) in enumerate(keys):
+        ax.bar([x + i * width for x in range(len(labels))], [r["speedup"][key] for r in results], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width for x in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("speedup of mla_inductor (x)")
+    ax.set_title(f"mla_inductor speedup ({report['dtype']}, median of interleaved rounds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=("serving", "hf", "all"), default="all")
+    p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
+    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--serving-config", default="deepseek-v3-tp22")
+    p.add_argument("--hf-config", default="deepseek-v2-lite")
+    p.add_argument("--layers", type=int, default=None, help="default: enough to exceed 160 MiB of weights")
+    p.add_argument("--vocab", type=int, default=8192, help="vocabulary (the released 100k+ would dwarf attention)")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    p.add_argument("--out", default="reports")
+    p.add_argument("--name", default=None, help="file name stem (default: speedup, or quick with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny models, one shape each: about a minute")
+    return p.parse_args(argv)
+
+
+def build_cases(args: argparse.Namespace) -> list[Case]:
+    models = ("serving", "hf") if args.model == "all" else (args.model,)
+    phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)
+    cases = []
+    for model in models:
+        for phase in phases:
+            if phase == "decode":
+                cases += [Case(model, phase, b, c) for b in args.batch for c in args.context]
+            else:
+                cases.append(Case(model, phase, 1, args.prefill_tokens))
+    return cases
+
+
+def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> MLAConfig:
+    if args.quick:
+        return get_config("tiny")
+    config = get_config(args.serving_config if model == "serving" else args.hf_config, vocab_size=args.vocab)
+    if args.layers:
+        return config.replace(num_layers=args.layers)
+    one_layer = config.replace(num_layers=1, vocab_size=1)
+    per_layer = (
+        weight_bytes(build_model(one_layer, dtype=dtype)) if model == "serving" else _hf_layer_bytes(one_layer, dtype)
+    )
+    return config.replace(num_layers=_layers_for(per_layer))
+
+
+def _hf_layer_bytes(config: MLAConfig, dtype: torch.dtype) -> int:
+    c = config
+    q = c.hidden_size * c.num_heads * c.qk_head_dim if c.q_lora_rank is None else (
+        c.hidden_size * c.q_lora_rank + c.q_lora_rank * c.num_heads * c.qk_head_dim)
+    attn = q + c.hidden_size * c.latent_dim + c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    attn += c.num_heads * c.v_head_dim * c.hidden_size
+    mlp = 3 * c.hidden_size * c.intermediate_size
+    return (attn + mlp) * torch.finfo(dtype).bits // 8
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    if args.quick:
+        args.batch, args.context, args.prefill_tokens, args.rounds = [1], [64], 32, 3
+    dtype = DTYPES[args.dtype]
+    cases = build_cases(args)
+    # Every variant x shape is its own compile of the same code object; keep Dynamo from falling
+    # back to eager, and keep caches from skipping the pass (fusion counts would read 0).
+    torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+    bandwidth = benchmarking.copy_bandwidth()
+    gemm = benchmarking.gemm_throughput(dtype)
+    configs = {m: model_config(args, m, dtype) for m in {c.model for c in cases}}
+    results = []
+    with tqdm(total=len(cases) * (len(args.variants) + 1), desc="mla_inductor report", file=sys.stderr) as bar:
+        for case in cases:
+            results.append(run_case(case, configs[case.model], dtype, args.variants, args.rounds, 5, bandwidth,
+                                    gemm, bar))
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "dtype": args.dtype,
+        "variants": list(args.variants),
+        "configs": {m: dataclasses.asdict(c) for m, c in configs.items()},
+        "machine": {
+            "copy_bandwidth_GBps": bandwidth / 1e9,
+            "gemm_GFLOPs": gemm / 1e9,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "cpu": platform.processor() or platform.machine(),
+        },
+        "results": results,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = args.name or ("quick" if args.quick else "speedup")
+    (out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    markdown = to_markdown(report)
+    (out / f"{name}.md").write_text(markdown)
+    plot(report, out / f"{name}.png")
+    print(markdown)
+    print(f"wrote {out / name}.json, .md, .png")
+    return report
+
+
+if __name__ == "__main__":
+    main()

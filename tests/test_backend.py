@@ -1,0 +1,166 @@
+"""The backend, its options, the pass installation, the uuid and the FX-graph cache."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+import mla_inductor
+from mla_inductor import passes
+from mla_inductor.backend import install_passes, split_options
+from mla_inductor.config import Config
+
+
+def run_python(code: str, env=None) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+class RecordingPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "recording-pass"
+
+
+def test_backend_found_by_entry_point_without_import():
+    out = run_python(
+        """
+        import sys, torch
+        assert "mla_inductor" not in sys.modules
+        f = torch.compile(lambda x: torch.sin(x) * 2, backend="mla_inductor")
+        x = torch.randn(8)
+        torch.testing.assert_close(f(x), torch.sin(x) * 2)
+        print("imported" if "mla_inductor" in sys.modules else "missing")
+        """
+    )
+    assert out.strip() == "imported"
+
+
+def test_options_split_own_keys_from_inductor_keys():
+    inductor, config = split_options({"mla_inductor.fusions": {"rope": False}, "freezing": False})
+    assert inductor == {"freezing": False}
+    assert not config.enabled("rope") and config.enabled("qkv_a_proj")
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"mla_inductor.fusions": {"ropee": False}}, "unknown fusion 'ropee'"),
+        ({"mla_inductor.fussions": {}}, "unknown option mla_inductor.fussions"),
+        ({"mla_inductor.fusions": ["rope"]}, "must be a dict"),
+    ],
+)
+def test_bad_own_options_name_the_key(options, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        split_options(options)
+
+
+def test_passes_are_appended_to_user_passes_not_replacing_them():
+    user = RecordingPass()
+    patches = install_passes({"post_grad_custom_post_pass": user}, Config())
+    post, joint = patches["post_grad_custom_post_pass"], patches["joint_custom_post_pass"]
+    assert post[0] is user and isinstance(post[1], mla_inductor.MLAPass) and post[1].stage == "post_grad"
+    assert len(joint) == 1 and joint[0].stage == "joint"
+
+
+def test_backend_runs_user_pass_and_ours_with_mode_and_options(monkeypatch):
+    seen = []
+    monkeypatch.setattr(passes.MLAPass, "__call__", lambda self, graph: seen.append(self.stage))
+    user = RecordingPass()
+    f = torch.compile(
+        lambda x: torch.relu(x) + 1,
+        backend="mla_inductor",
+        mode="max-autotune-no-cudagraphs",
+        options=None,
+    )
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(f(x), torch.relu(x) + 1)
+    assert sorted(seen) == ["joint", "post_grad"]
+
+    seen.clear()
+    torch._dynamo.reset()
+    g = torch.compile(
+        lambda x: torch.relu(x) * 3,
+        backend="mla_inductor",
+        options={"post_grad_custom_post_pass": user, "mla_inductor.fusions": {"rope": False}},
+    )
+    torch.testing.assert_close(g(x), torch.relu(x) * 3)
+    assert user.calls == 1 and sorted(seen) == ["joint", "post_grad"]
+
+
+def test_inductor_options_give_the_stock_backend_our_passes(monkeypatch):
+    seen = []
+    monkeypatch.setattr(passes.MLAPass, "__call__", lambda self, graph: seen.append(self.stage))
+    options = mla_inductor.inductor_options(fusions={"rope": False})
+    assert set(options) == {"joint_custom_post_pass", "post_grad_custom_post_pass"}
+    f = torch.compile(lambda x: torch.cos(x) - 1, options=options)
+    x = torch.randn(5)
+    torch.testing.assert_close(f(x), torch.cos(x) - 1)
+    assert sorted(seen) == ["joint", "post_grad"]
+
+
+def test_uuid_covers_sources_version_and_config(tmp_path, monkeypatch):
+    copy = tmp_path / "mla_inductor"
+    shutil.copytree(pathlib.Path(mla_inductor.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(passes, "_PACKAGE_DIR", copy)
+    mla_pass = mla_inductor.MLAPass("post_grad")
+    before = mla_pass.uuid()
+    assert mla_pass.uuid() == before  # stable
+
+    template = copy / "lowerings" / "templates" / "probe.h"
+    template.write_text("// v1\n")
+    with_template = mla_pass.uuid()
+    template.write_text("// v2\n")
+    assert len({before, with_template, mla_pass.uuid()}) == 3
+
+    assert mla_inductor.MLAPass("post_grad", Config.from_options({"fusions": {"rope": False}})).uuid() != mla_pass.uuid()
+    assert mla_inductor.MLAPass("joint").uuid() != mla_pass.uuid()
+    monkeypatch.setattr(mla_inductor, "__version__", "0.0.0-test")
+    assert "0.0.0-test" in mla_pass.uuid()
+
+
+def test_fx_graph_cache_hit_in_a_new_process_keeps_the_rewrite(tmp_path):
+    """A second process with the FX-graph cache on gets a hit, and the cached code still holds our op."""
+    code = """
+        import json, torch
+        from torch._dynamo.utils import counters
+        import mla_inductor
+        from mla_inductor.models import build_model, get_config
+        torch.manual_seed(0)
+        torch._inductor.config.fx_graph_cache = True
+        model = build_model(get_config("tiny", num_layers=1), dtype=torch.float32)
+        proj = model.layers[0].self_attn
+        def f(x):
+            return proj.fused_qkv_a_proj_with_mqa(x)
+        x = torch.randn(3, 256)
+        with torch.no_grad():
+            out = torch.compile(f, backend="mla_inductor")(x)
+            torch.testing.assert_close(out, f(x))
+        print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
+                          "miss": counters["inductor"]["fxgraph_cache_miss"],
+                          "aot_hit": counters["aot_autograd"]["autograd_cache_hit"]}))
+    """
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    first = json.loads(run_python(code, env).strip().splitlines()[-1])
+    second = json.loads(run_python(code, env).strip().splitlines()[-1])
+    assert first["miss"] == 1 and first["hit"] == 0
+    assert second["hit"] + second["aot_hit"] >= 1 and second["miss"] == 0

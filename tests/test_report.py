@@ -1,0 +1,37 @@
+"""The speedup report end to end, in its one-minute form."""
+
+import json
+
+from mla_inductor import report
+
+
+def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
+    result = report.main(["--quick", "--out", str(tmp_path), "--name", "r"])
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written == json.loads(json.dumps(result))
+    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    markdown = (tmp_path / "r.md").read_text()
+
+    labels = [r["label"] for r in written["results"]]
+    assert labels == [
+        "serving decode B=1 ctx 64",
+        "serving prefill B=1 32 tok",
+        "hf decode B=1 ctx 64",
+        "hf prefill B=1 32 tok",
+    ]
+    assert written["machine"]["copy_bandwidth_GBps"] > 1 and written["machine"]["gemm_GFLOPs"] > 1
+    for r in written["results"]:
+        assert set(r["times_s"]) == set(report.VARIANTS)
+        assert all(t > 0 for t in r["times_s"].values())
+        assert 0 < r["roofline_fraction"]["mla_inductor"] < 1.5
+        assert r["speedup"]["vs_stock_best"] > 0
+        assert r["label"] in markdown
+    assert "| case |" in capsys.readouterr().out
+
+
+def test_cases_follow_the_arguments():
+    args = report.parse_args(["--model", "serving", "--phase", "decode", "--batch", "1", "8", "--context", "1024"])
+    assert [c.label for c in report.build_cases(args)] == [
+        "serving decode B=1 ctx 1024",
+        "serving decode B=8 ctx 1024",
+    ]
