@@ -69,7 +69,7 @@ def _module_path(match: Match) -> str:
 
 def _normalize_module_path(raw: str) -> str:
     # Dynamo spells paths as source expressions: L['self'].model.layers[0]._modules['q_a_proj']
-    path = re.sub(r"^L\['[^']*'\]\.?", "", raw)
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", raw)
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)

@@ -14,7 +14,7 @@ import pathlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import PatternMatcherPass
+from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
 
 from . import config as mla_config
 
@@ -58,6 +58,9 @@ class MLAPass(CustomGraphPass):
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
         if _PASSES[self.stage].apply(graph):
+            # A multi-output replacement is inserted before the earliest output of its match, which
+            # may precede an input defined between the outputs (a lifted eps' cast, say).
+            stable_topological_sort(graph)
             graph.eliminate_dead_code()
 
     def uuid(self) -> str:

@@ -1,1 +1,3 @@
 """The mla:: custom ops: schema, eager reference and fake (meta) implementation, one module per fused op."""
+
+from . import qkv_a  # noqa: F401

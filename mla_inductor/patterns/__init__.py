@@ -13,13 +13,13 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch._inductor.fx_passes.post_grad import view_to_reshape
-from torch._inductor.pattern_matcher import Match, fwd_only, init_once_fakemode, register_replacement
+from torch._inductor.pattern_matcher import Match, fwd_only, gen_pattern, init_once_fakemode, register_replacement
 
 from ..explain import checked
 from ..passes import STAGES, pattern_pass
 
 # Fusion modules in this package, registered in this order (larger fusions first where they overlap).
-FUSION_MODULES: tuple[str, ...] = ()
+FUSION_MODULES: tuple[str, ...] = ("qkv_a",)
 
 
 def trace_for_stage(stage: str) -> Callable:
@@ -41,10 +41,19 @@ def register_fusion(
     example_inputs: Sequence[Any],
     check: Callable[[Match], Optional[str]],
     stages: Sequence[str] = STAGES,
+    size_agnostic: bool = False,
     **kwargs: Any,
 ) -> None:
-    """Register `search_fn -> replace_fn` in the given MLAPass stages; `check` returns a rejection reason or None."""
+    """Register `search_fn -> replace_fn` in the given MLAPass stages; `check` returns a rejection reason or None.
+
+    `size_agnostic` skips the strict re-trace with the match's real shapes (needed where dynamic
+    sizes appear in mixed spellings); `check` must then verify the literals itself.
+    """
     for stage in stages:
+        if size_agnostic:
+            kwargs["search_fn_pattern"] = gen_pattern(
+                search_fn, list(example_inputs), trace_for_stage(stage), kwargs.get("scalar_workaround")
+            )
         register_replacement(
             search_fn,
             replace_fn,

@@ -1,0 +1,126 @@
+"""mla::qkv_a_proj: the two A-projections of an MLA layer and the RMSNorms of their latents.
+
+    q    = x @ q_weight.T   (+ q_bias),  then RMSNorm(q_norm_weight) if given     [..., Nq]
+    kv   = x @ kv_weight.T  (+ kv_bias)                                            [..., L + R]
+    c_kv = RMSNorm(kv[..., :L]; kv_norm_weight)                                    [..., L]
+    k_pe = kv[..., L:]  (not normed)                                               [..., R]
+
+L = kv_norm_weight.numel(). q_weight is q_a_proj (q_lora_rank rows) or, for models without a q
+LoRA, q_proj with no norm. eps is a float, or a 0-d tensor where `dynamic=True` lifted a module's
+float attribute into a graph input (`q_eps_tensor` / `kv_eps_tensor` then take precedence).
+
+The eager implementation computes what the matched model code computes (GEMMs in the input dtype
+with fp32 accumulation, norms in fp32, as transformers' DeepseekV3RMSNorm), so a rewrite changes no
+semantics; the C++ template is at least as accurate (it normalises the fp32 accumulators and rounds
+each output once).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"mla::qkv_a_proj: {message}")
+
+
+def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps, kv_eps) -> None:
+    """Every precondition of the op, with a message naming the argument."""
+    tensors = {"x": x, "q_weight": q_weight, "kv_weight": kv_weight, "kv_norm_weight": kv_norm_weight}
+    tensors.update({k: v for k, v in (("q_norm_weight", q_norm_weight), ("q_bias", q_bias), ("kv_bias", kv_bias)) if v is not None})
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor):
+            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            _fail(f"{name} must be on the CPU, got {t.device}")
+        if t.dtype != x.dtype:
+            _fail(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        _fail(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    if x.dim() < 1:
+        _fail("x must have at least one dimension (the hidden size)")
+    hidden = x.shape[-1]
+    for name in ("q_weight", "kv_weight"):
+        w = tensors[name]
+        if w.dim() != 2 or w.shape[1] != hidden:
+            _fail(f"{name} must be [N, {hidden}] to match x [..., {hidden}], got {list(w.shape)}")
+    if kv_norm_weight.dim() != 1 or not 0 < kv_norm_weight.shape[0] < kv_weight.shape[0]:
+        _fail(
+            f"kv_norm_weight must be [kv_lora_rank] with 0 < kv_lora_rank < kv_weight.shape[0]="
+            f"{kv_weight.shape[0]}, got {list(kv_norm_weight.shape)}"
+        )
+    if q_norm_weight is not None and tuple(q_norm_weight.shape) != (q_weight.shape[0],):
+        _fail(f"q_norm_weight must be [{q_weight.shape[0]}], got {list(q_norm_weight.shape)}")
+    if q_bias is not None and tuple(q_bias.shape) != (q_weight.shape[0],):
+        _fail(f"q_bias must be [{q_weight.shape[0]}], got {list(q_bias.shape)}")
+    if kv_bias is not None and tuple(kv_bias.shape) != (kv_weight.shape[0],):
+        _fail(f"kv_bias must be [{kv_weight.shape[0]}], got {list(kv_bias.shape)}")
+    for name, eps in (("q_eps", q_eps), ("kv_eps", kv_eps)):
+        if isinstance(eps, Tensor):
+            if eps.dim() != 0 or not eps.is_floating_point():
+                _fail(f"{name} tensor must be a 0-d floating tensor, got {eps.dtype}{list(eps.shape)}")
+        elif not eps > 0:
+            _fail(f"{name} must be > 0, got {eps}")
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps) -> Tensor:
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@torch.library.custom_op("mla::qkv_a_proj", mutates_args=())
+def qkv_a_proj(
+    x: Tensor,
+    q_weight: Tensor,
+    kv_weight: Tensor,
+    q_norm_weight: Optional[Tensor],
+    kv_norm_weight: Tensor,
+    q_eps: float,
+    kv_eps: float,
+    q_bias: Optional[Tensor] = None,
+    kv_bias: Optional[Tensor] = None,
+    q_eps_tensor: Optional[Tensor] = None,
+    kv_eps_tensor: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    q_eps_value = q_eps_tensor if q_eps_tensor is not None else q_eps
+    kv_eps_value = kv_eps_tensor if kv_eps_tensor is not None else kv_eps
+    check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps_value, kv_eps_value)
+    L = kv_norm_weight.shape[0]
+    q = torch.nn.functional.linear(x, q_weight, q_bias)
+    kv = torch.nn.functional.linear(x, kv_weight, kv_bias)
+    if q_norm_weight is not None:
+        q = _rms_norm(q, q_norm_weight, q_eps_value)
+    c_kv = _rms_norm(kv[..., :L], kv_norm_weight, kv_eps_value)
+    return q.contiguous(), c_kv.contiguous(), kv[..., L:].contiguous()
+
+
+@qkv_a_proj.register_fake
+def _(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None,
+      q_eps_tensor=None, kv_eps_tensor=None):
+    lead = x.shape[:-1]
+    L = kv_norm_weight.shape[0]
+    return (
+        x.new_empty(*lead, q_weight.shape[0]),
+        x.new_empty(*lead, L),
+        x.new_empty(*lead, kv_weight.shape[0] - L),
+    )
+
+
+def reference_fp64(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None):
+    """An independent fp64 computation of the op's math, for tests."""
+    d = torch.float64
+
+    def norm(t, w, eps):
+        return w.to(d) * t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + float(eps))
+
+    q = x.to(d) @ q_weight.to(d).T + (q_bias.to(d) if q_bias is not None else 0)
+    kv = x.to(d) @ kv_weight.to(d).T + (kv_bias.to(d) if kv_bias is not None else 0)
+    L = kv_norm_weight.shape[0]
+    if q_norm_weight is not None:
+        q = norm(q, q_norm_weight, q_eps)
+    return q, norm(kv[..., :L], kv_norm_weight, kv_eps), kv[..., L:]
