@@ -1,0 +1,120 @@
+"""Lowering of mla::qkv_a_proj to the segmented NT GEMM template with RMSNorm epilogues."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.codegen.cpp import get_export_declaration
+from torch._inductor.codegen.cpp_template import CppTemplate
+from torch._inductor.select_algorithm import autotune_select_algorithm
+from torch._inductor.utils import parallel_num_threads
+from torch._inductor.virtualized import V
+
+from .. import config as mla_config
+from . import template_source
+
+OP = torch.ops.mla.qkv_a_proj.default
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Up to this many rows the NT kernel streams the weights once and beats oneDNN; beyond it the GEMM
+# is compute-bound and the op's reference (oneDNN GEMMs) serves. Measured by benchmarks/qkv_a.py.
+MAX_TEMPLATE_ROWS = 32
+
+
+class QkvAProjTemplate(CppTemplate):
+    def __init__(self, inputs: dict, layout: ir.Layout, q_eps: float, kv_eps: float) -> None:
+        super().__init__("mla_qkv_a_proj", [n for n in inputs.values() if n is not None], layout, parallel_num_threads())
+        self.inputs = inputs
+        self.q_eps, self.kv_eps = q_eps, kv_eps
+
+    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
+               epilogue_nodes=None, **kwargs) -> str:
+        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
+        y = template_buffer_node if template_buffer_node is not None else self.output_node
+        x, wq, wkv = self.inputs["X"], self.inputs["WQ"], self.inputs["WKV"]
+        # Declare the kernel's arguments before anything names a size: sizes named earlier would
+        # get symbols the signature does not declare.
+        signature = kernel.def_kernel(inputs={k: v for k, v in self.inputs.items() if v is not None}, outputs={"Y": y})
+        x_size = x.get_size()
+        rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
+        options = dict(
+            template=self,
+            kernel=kernel,
+            signature=signature,
+            Y=y,
+            M=rows,
+            K=kernel.size(x, -1),
+            NQ=kernel.size(wq, 0),
+            NKV=kernel.size(wkv, 0),
+            L=kernel.size(self.inputs["KVW"], 0),
+            ldx=kernel.stride(x, len(x_size) - 2) if len(x_size) > 1 else kernel.size(x, -1),
+            ldwq=kernel.stride(wq, 0),
+            ldwkv=kernel.stride(wkv, 0),
+            x_origin=[0] * len(x_size),
+            y_origin=[0] * len(y.get_size()),
+            q_eps=f"{self.q_eps!r}f",
+            kv_eps=f"{self.kv_eps!r}f",
+            num_threads=self.num_threads,
+            export_declaration=get_export_declaration(),
+            micro_kernels=template_source("nt_dot.h"),
+            **self.inputs,
+        )
+        return self._template_from_string(template_source("qkv_a_proj.cpp.j2")).render(**options)
+
+
+def _rows_hint(x) -> int:
+    size = x.get_size()
+    return V.graph.sizevars.optimization_hint(sympy.Mul(*size[:-1])) if len(size) > 1 else 1
+
+
+def _template_can_serve(x, weights) -> bool:
+    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+        return False
+    if x.get_dtype() not in SUPPORTED_DTYPES or len(x.get_size()) not in (2, 3):
+        return False
+    static = all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
+    return static and _rows_hint(x) <= MAX_TEMPLATE_ROWS
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None,
+                     kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None):
+    args = (x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias, kv_bias, q_eps_tensor,
+            kv_eps_tensor)
+    if not _template_can_serve(x, (q_weight, kv_weight)):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
+
+    def realize(t, contiguous=False):
+        if t is None:
+            return None
+        t = ir.ExternKernel.realize_input(t)
+        return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
+
+    x = realize(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
+    inputs = {
+        "X": x,
+        "WQ": realize(q_weight),
+        "WKV": realize(kv_weight),
+        "QW": realize(q_norm_weight, True),
+        "KVW": realize(kv_norm_weight, True),
+        "QB": realize(q_bias, True),
+        "KVB": realize(kv_bias, True),
+        "Q_EPS": realize(q_eps_tensor, True),
+        "KV_EPS": realize(kv_eps_tensor, True),
+    }
+    nq, nkv = inputs["WQ"].get_size()[0], inputs["WKV"].get_size()[0]
+    lead = list(x.get_size()[:-1])
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
+    choices = []
+    QkvAProjTemplate(inputs, layout, q_eps, kv_eps).maybe_append_choice(choices)
+    y, _ = autotune_select_algorithm("mla_qkv_a_proj", choices, [n for n in inputs.values() if n is not None], layout)
+    # Consumers read q, c_kv and k_pe as views of the one output: fusing a pointwise consumer into
+    # the template would need per-segment store_output; not worth it next to a weight stream.
+    y.data.data.allow_epilogue_fusion = False
+    lkv = inputs["KVW"].get_size()[0]
+    return (
+        L.slice_(y, -1, 0, nq),
+        L.slice_(y, -1, nq, nq + lkv),
+        L.slice_(y, -1, nq + lkv, nq + nkv),
+    )
