@@ -17,9 +17,17 @@ from . import template_source
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Up to this many rows the NT kernel streams the weights once and beats oneDNN; beyond it the GEMM
-# is compute-bound and the op's reference (oneDNN GEMMs) serves. Measured by benchmarks/qkv_a.py.
-MAX_TEMPLATE_ROWS = 32
+# Where the NT template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
+# shape, 2 threads): with freezing, oneDNN's prepacked weights win from 8 rows on; without freezing,
+# Inductor calls unpacked mm, which the template beats up to 64 rows. The pattern consults this
+# (patterns/qkv_a.py) so that larger row counts keep Inductor's own best path.
+MAX_ROWS_FROZEN = 4
+MAX_ROWS_UNFROZEN = 64
+
+
+def template_wins(rows: int) -> bool:
+    limit = MAX_ROWS_FROZEN if torch._inductor.config.freezing else MAX_ROWS_UNFROZEN
+    return rows <= limit
 
 
 class QkvAProjTemplate(CppTemplate):
@@ -63,18 +71,12 @@ class QkvAProjTemplate(CppTemplate):
         return self._template_from_string(template_source("qkv_a_proj.cpp.j2")).render(**options)
 
 
-def _rows_hint(x) -> int:
-    size = x.get_size()
-    return V.graph.sizevars.optimization_hint(sympy.Mul(*size[:-1])) if len(size) > 1 else 1
-
-
 def _template_can_serve(x, weights) -> bool:
     if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
         return False
     if x.get_dtype() not in SUPPORTED_DTYPES or len(x.get_size()) not in (2, 3):
         return False
-    static = all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
-    return static and _rows_hint(x) <= MAX_TEMPLATE_ROWS
+    return all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
 
 
 @L.register_lowering(OP, type_promotion_kind=None)

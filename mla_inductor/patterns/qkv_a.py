@@ -13,12 +13,14 @@ norm casts to fp32 and back) and fp32 (no casts), and with eps as a literal or a
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
+from ..lowerings.qkv_a import template_wins
 from ..ops.qkv_a import check_args
 from . import register_fusion
 
@@ -117,6 +119,11 @@ def fused_q_lora_replacement(x, weight, q_norm_weight, kv_norm_weight, q_eps, kv
 # --- preconditions --------------------------------------------------------------------------------
 
 
+def _hint(size) -> int:
+    """A size's value, or the example value of a dynamic size (a SymInt)."""
+    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
+
+
 def _value(arg):
     return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
 
@@ -169,6 +176,9 @@ def check(match: Match) -> Optional[str]:
     mismatch = _literal_mismatch(match, x, kw)
     if mismatch:
         return mismatch
+    rows = math.prod(_hint(s) for s in x.shape[:-1])
+    if not template_wins(rows):
+        return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     kv_eps = kw["kv_eps"]
     try:
         check_args(

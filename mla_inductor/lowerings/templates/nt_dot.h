@@ -9,6 +9,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -18,30 +20,71 @@
 
 namespace mla_inductor {
 
-constexpr int kMaxTileRows = 4;  // MR: x rows per tile
-constexpr int kMaxTileCols = 4;  // NR: weight rows per tile; MR x NR accumulators stay in registers
+// A register tile is up to 4 x rows by 4 w rows: 16 fp32 accumulators plus the 5 loaded vectors.
+// A panel is up to 8 x rows against one tile of w rows; see dot_panel.
+constexpr int kTileRows = 4;
+constexpr int kMaxPanelRows = 8;
+constexpr int kTileCols = 4;
+// k-chunk over which the row blocks of a panel alternate: 4 w rows x 512 B stay in L1 for the
+// second block while the first pulls them from memory, so the stream and the math overlap.
+constexpr int64_t kPanelChunk = 256;
 
 #if defined(__AVX512BF16__)
 // One _mm512_dpbf16_ps consumes 32 bf16 of x and of w and adds 16 pairwise products to fp32 lanes.
 template <int MR, int NR>
-inline void dot_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw, int64_t K,
-                          float* out, int64_t ldo) {
-  __m512 acc[MR][NR];
+__attribute__((always_inline)) inline void dot_step_bf16(__m512 (&acc)[MR][NR], const c10::BFloat16* x, int64_t ldx,
+                                                         const c10::BFloat16* w, int64_t ldw, __mmask32 mask) {
+  __m512bh xv[MR];
+  for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx);
+  for (int n = 0; n < NR; ++n) {
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw);
+    for (int m = 0; m < MR; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv[m], wv);
+  }
+}
+
+// acc (MR x NR, in memory) += x[:, k0:k1] . w[:, k0:k1]^T, with the accumulators in registers throughout.
+template <int MR, int NR>
+inline void dot_chunk_bf16(__m512* acc, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* w, int64_t ldw,
+                           int64_t k0, int64_t k1) {
+  __m512 a[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  auto step = [&](int64_t k, __mmask32 mask) {
+    for (int n = 0; n < NR; ++n) a[m][n] = acc[m * kTileCols + n];
+  int64_t k = k0;
+  for (; k + 32 <= k1; k += 32) {
     __m512bh xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + m * ldx + k);
+    for (int m = 0; m < MR; ++m) xv[m] = (__m512bh)_mm512_loadu_si512(x + m * ldx + k);
     for (int n = 0; n < NR; ++n) {
-      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + n * ldw + k);
-      for (int m = 0; m < MR; ++m) acc[m][n] = _mm512_dpbf16_ps(acc[m][n], xv[m], wv);
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + n * ldw + k);
+      for (int m = 0; m < MR; ++m) a[m][n] = _mm512_dpbf16_ps(a[m][n], xv[m], wv);
     }
-  };
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) step(k, ~__mmask32(0));
-  if (k < K) step(k, (__mmask32(1) << (K - k)) - 1);  // zero-filled tail lanes add nothing
+  }
+  if (k < k1) dot_step_bf16<MR, NR>(a, x + k, ldx, w + k, ldw, (__mmask32(1) << (k1 - k)) - 1);  // zero lanes add 0
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m][n]);
+    for (int n = 0; n < NR; ++n) acc[m * kTileCols + n] = a[m][n];
+}
+
+template <int NR>
+inline void dot_panel_bf16(const c10::BFloat16* x, int64_t ldx, int mr, const c10::BFloat16* w, int64_t ldw,
+                           int64_t K, float* out, int64_t ldo) {
+  __m512 acc[kMaxPanelRows * kTileCols];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  // One row block: no reason to split k (the accumulators would only round-trip through L1).
+  const int64_t chunk = mr <= kTileRows ? K : kPanelChunk;
+  for (int64_t k0 = 0; k0 < K; k0 += chunk) {
+    const int64_t k1 = std::min(K, k0 + chunk);
+    for (int m0 = 0; m0 < mr; m0 += kTileRows) {
+      __m512* a = acc + m0 * kTileCols;
+      const c10::BFloat16* xb = x + m0 * ldx;
+      switch (std::min(kTileRows, mr - m0)) {
+        case 4: dot_chunk_bf16<4, NR>(a, xb, ldx, w, ldw, k0, k1); break;
+        case 3: dot_chunk_bf16<3, NR>(a, xb, ldx, w, ldw, k0, k1); break;
+        case 2: dot_chunk_bf16<2, NR>(a, xb, ldx, w, ldw, k0, k1); break;
+        default: dot_chunk_bf16<1, NR>(a, xb, ldx, w, ldw, k0, k1);
+      }
+    }
+  }
+  for (int m = 0; m < mr; ++m)
+    for (int n = 0; n < NR; ++n) out[m * ldo + n] = _mm512_reduce_add_ps(acc[m * kTileCols + n]);
 }
 #endif
 
@@ -82,37 +125,43 @@ inline void dot_tile_fma(const T* x, int64_t ldx, const T* w, int64_t ldw, int64
   }
 }
 
-template <typename T, int MR, int NR>
-inline void dot_tile(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+// Portable panel: row blocks one after the other (the fp32 path is compute-bound well before the
+// weight stream matters).
+template <typename T, int NR>
+inline void dot_panel_fma(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t K, float* out,
+                          int64_t ldo) {
+  for (int m0 = 0; m0 < mr; m0 += kTileRows) {
+    const T* xb = x + m0 * ldx;
+    float* ob = out + m0 * ldo;
+    switch (std::min(kTileRows, mr - m0)) {
+      case 4: dot_tile_fma<T, 4, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+      case 3: dot_tile_fma<T, 3, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+      case 2: dot_tile_fma<T, 2, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+      default: dot_tile_fma<T, 1, NR>(xb, ldx, w, ldw, K, ob, ldo);
+    }
+  }
+}
+
+template <typename T, int NR>
+inline void dot_panel_nr(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    dot_tile_bf16<MR, NR>(x, ldx, w, ldw, K, out, ldo);
+    dot_panel_bf16<NR>(x, ldx, mr, w, ldw, K, out, ldo);
     return;
   }
 #endif
-  dot_tile_fma<T, MR, NR>(x, ldx, w, ldw, K, out, ldo);
+  dot_panel_fma<T, NR>(x, ldx, mr, w, ldw, K, out, ldo);
 }
 
-// Runtime tile shape (the edges of M and N) to the compile-time instantiation.
-template <typename T, int MR>
-inline void dot_tile_rows(const T* x, int64_t ldx, const T* w, int64_t ldw, int nr, int64_t K, float* out,
-                          int64_t ldo) {
-  switch (nr) {
-    case 4: return dot_tile<T, MR, 4>(x, ldx, w, ldw, K, out, ldo);
-    case 3: return dot_tile<T, MR, 3>(x, ldx, w, ldw, K, out, ldo);
-    case 2: return dot_tile<T, MR, 2>(x, ldx, w, ldw, K, out, ldo);
-    default: return dot_tile<T, MR, 1>(x, ldx, w, ldw, K, out, ldo);
-  }
-}
-
+// out[m, n] for mr (<= 8) x rows against nr (<= 4) w rows, over the whole of k.
 template <typename T>
-inline void dot_tile_any(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int nr, int64_t K, float* out,
-                         int64_t ldo) {
-  switch (mr) {
-    case 4: return dot_tile_rows<T, 4>(x, ldx, w, ldw, nr, K, out, ldo);
-    case 3: return dot_tile_rows<T, 3>(x, ldx, w, ldw, nr, K, out, ldo);
-    case 2: return dot_tile_rows<T, 2>(x, ldx, w, ldw, nr, K, out, ldo);
-    default: return dot_tile_rows<T, 1>(x, ldx, w, ldw, nr, K, out, ldo);
+inline void dot_panel(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int nr, int64_t K, float* out,
+                      int64_t ldo) {
+  switch (nr) {
+    case 4: return dot_panel_nr<T, 4>(x, ldx, mr, w, ldw, K, out, ldo);
+    case 3: return dot_panel_nr<T, 3>(x, ldx, mr, w, ldw, K, out, ldo);
+    case 2: return dot_panel_nr<T, 2>(x, ldx, mr, w, ldw, K, out, ldo);
+    default: return dot_panel_nr<T, 1>(x, ldx, mr, w, ldw, K, out, ldo);
   }
 }
 

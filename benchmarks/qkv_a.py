@@ -1,0 +1,98 @@
+"""qkv_a_proj at the deepseek-v3-tp22 shape (hidden 7168 -> 1536 + 576): a stack of layers whose
+A-projection weights exceed 128 MiB, so that decode streams them from memory.
+
+Prints medians of interleaved rounds for eager, stock torch.compile, stock frozen with
+concat-linear ("stock at its best" is the faster of the two), and mla_inductor (frozen and not),
+with the fraction of the copy-bandwidth roofline (decode) or of oneDNN GEMM throughput (prefill)
+measured in the same run. Asserts nothing.
+
+    python benchmarks/qkv_a.py [--rows 1 8 512] [--layers 6] [--template-max-rows N]
+"""
+
+import argparse
+
+import torch
+from torch import nn
+
+import mla_inductor
+from mla_inductor import benchmarking
+from mla_inductor.lowerings import qkv_a as qkv_a_lowering
+from mla_inductor.models.mla import RMSNorm, init_weights_
+
+
+class APprojections(nn.Module):
+    """The A-projections of one MLA layer as serving code holds them (one fused weight)."""
+
+    def __init__(self, hidden=7168, q_lora_rank=1536, kv_lora_rank=512, rope=64):
+        super().__init__()
+        self.sizes = (q_lora_rank, kv_lora_rank + rope)
+        self.kv_lora_rank = kv_lora_rank
+        self.fused_qkv_a_proj_with_mqa = nn.Linear(hidden, sum(self.sizes), bias=False)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+
+    def forward(self, x):
+        q, latent = self.fused_qkv_a_proj_with_mqa(x).split(self.sizes, dim=-1)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, latent.shape[-1] - self.kv_lora_rank], dim=-1)
+        return self.q_a_layernorm(q), self.kv_a_layernorm(c_kv), k_pe
+
+
+class Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(APprojections() for _ in range(layers))
+
+    def forward(self, x):
+        return [layer(x) for layer in self.layers]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    p.add_argument("--layers", type=int, default=6, help="6 x 30 MiB of bf16 weights = 182 MiB")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--template-max-rows", type=int, default=None, help="fire the fusion up to this many rows")
+    args = p.parse_args()
+    if args.template_max_rows is not None:  # to measure the template where the cost model declines it
+        qkv_a_lowering.MAX_ROWS_FROZEN = qkv_a_lowering.MAX_ROWS_UNFROZEN = args.template_max_rows
+    torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.fx_graph_cache = False
+
+    model = init_weights_(Stack(args.layers), seed=0).to(torch.bfloat16).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    flop_per_row = 2 * sum(l.fused_qkv_a_proj_with_mqa.weight.numel() for l in model.layers)
+    bandwidth = benchmarking.copy_bandwidth()
+    gemm = benchmarking.gemm_throughput()
+    print(f"weights {weight_bytes / 2**20:.0f} MiB in {args.layers} layers; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
+          f"oneDNN bf16 GEMM {gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
+    frozen = {"freezing": True, "cpp.enable_concat_linear": True}
+    print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best | roofline (mla best) | fired |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        x = torch.randn(rows, 7168).to(torch.bfloat16)
+        variants = {
+            "eager": (model, None, False),
+            "stock": (torch.compile(model, dynamic=False), None, False),
+            "stock frozen": (torch.compile(model, dynamic=False, options=frozen), None, True),
+            "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), None, False),
+            "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), None, True),
+        }
+        fns = {}
+        mla_inductor.reset_counts()
+        for name, (fn, _, freeze) in variants.items():
+            with torch.no_grad(), (benchmarking.inference_freezing() if freeze else torch.no_grad()):
+                fn(x)
+            fns[name] = lambda fn=fn: fn(x)
+        fired = mla_inductor.fusion_counts()["qkv_a_proj"]
+        with torch.no_grad():
+            t = benchmarking.interleaved_medians(fns, rounds=args.rounds, calls=5)
+        best_stock = min(t["stock"], t["stock frozen"])
+        best_mla = min(t["mla"], t["mla frozen"])
+        roofline = max(weight_bytes / bandwidth, rows * flop_per_row / gemm)
+        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in variants)
+              + f" | {best_stock / best_mla:.2f} | {roofline / best_mla:.0%} | {fired} |", flush=True)
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
