@@ -102,6 +102,10 @@ def qkv_a_proj(
 @qkv_a_proj.register_fake
 def _(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None,
       q_eps_tensor=None, kv_eps_tensor=None):
+    # Same checks while tracing: bad input fails at compile time with the same message.
+    check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias,
+               q_eps_tensor if q_eps_tensor is not None else q_eps,
+               kv_eps_tensor if kv_eps_tensor is not None else kv_eps)
     lead = x.shape[:-1]
     L = kv_norm_weight.shape[0]
     return (

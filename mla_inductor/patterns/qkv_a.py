@@ -237,4 +237,6 @@ def register() -> None:
             check,
             scalar_workaround={} if tensor_eps else _EPS_WORKAROUND,
             size_agnostic=x_dims == 3,
+            # Two projections, two weights: without this one GEMM could serve as both (q = kv).
+            exclusive_arg_names=("q_weight", "kv_weight") if search_fn is not fused_q_lora else (),
         )

@@ -1,0 +1,290 @@
+"""qkv_a_proj: the op, its C++ template, the patterns (where they fire and where not), real models."""
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import mla_inductor
+from mla_inductor.models import build_model, get_config, make_block_tables
+from mla_inductor.models.hf import build_hf_model
+from mla_inductor.models.mla import RMSNorm, init_weights_
+from mla_inductor.ops.qkv_a import reference_fp64
+
+from graph_utils import rewritten
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+op = torch.ops.mla.qkv_a_proj
+
+
+def make_args(rows, dtype, hidden=96, nq=40, lora=32, rope=8, q_norm=True, bias=False, lead=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    x = randn(*(lead or (rows,)), hidden)
+    return dict(
+        x=x,
+        q_weight=randn(nq, hidden, scale=hidden**-0.5),
+        kv_weight=randn(lora + rope, hidden, scale=hidden**-0.5),
+        q_norm_weight=randn(nq, scale=0.1) + 1 if q_norm else None,
+        kv_norm_weight=randn(lora, scale=0.1) + 1,
+        q_eps=1e-6,
+        kv_eps=1e-5,
+        q_bias=randn(nq, scale=0.1) if bias else None,
+        kv_bias=randn(lora + rope, scale=0.1) if bias else None,
+    )
+
+
+def max_errors(outputs, reference):
+    return [(o.double() - r).abs().max().item() for o, r in zip(outputs, reference)]
+
+
+def assert_close_to_reference(outputs, args, dtype):
+    reference = reference_fp64(**args)
+    tol = TOLERANCE[dtype]
+    for name, out, ref in zip(("q", "c_kv", "k_pe"), outputs, reference):
+        assert out.dtype == dtype and out.shape == ref.shape, name
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=name)
+
+
+# --- the op ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("q_norm, bias", [(True, False), (False, False), (True, True)])
+def test_op_matches_fp64_reference(dtype, q_norm, bias):
+    args = make_args(5, dtype, q_norm=q_norm, bias=bias, lead=(2, 3))
+    assert_close_to_reference(op(**args), args, dtype)
+
+
+def test_op_eps_tensor_equals_eps_float():
+    args = make_args(4, torch.float32)
+    as_tensors = dict(args, q_eps_tensor=torch.tensor(1e-6, dtype=torch.float64),
+                      kv_eps_tensor=torch.tensor(1e-5, dtype=torch.float64), q_eps=1.0, kv_eps=1.0)
+    for a, b in zip(op(**args), op(**as_tensors)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(kv_weight=torch.zeros(40, 95)), r"kv_weight must be \[N, 96\]"),
+        (dict(q_weight=torch.zeros(40, 96, dtype=torch.float64)), "q_weight has dtype torch.float64"),
+        (dict(kv_norm_weight=torch.ones(40)), "kv_norm_weight must be \\[kv_lora_rank\\] with 0 < kv_lora_rank < "),
+        (dict(q_norm_weight=torch.ones(39)), r"q_norm_weight must be \[40\]"),
+        (dict(kv_bias=torch.ones(3)), r"kv_bias must be \[40\]"),
+        (dict(q_eps=0.0), "q_eps must be > 0"),
+        (dict(x=torch.zeros(3, 96, dtype=torch.int32)), "dtype"),
+        (dict(x=torch.zeros(3, 96, device="meta")), "x must be on the CPU"),
+    ],
+)
+def test_op_rejects_bad_input_naming_the_argument(change, message):
+    args = make_args(3, torch.float32)
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        op(**args)
+
+
+# --- the template ----------------------------------------------------------------------------------
+
+
+def compiled_op():
+    """The op compiled on its own: the lowering emits our template for it."""
+
+    def fn(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias):
+        return op(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, 1e-6, 1e-5, q_bias, kv_bias)
+
+    return torch.compile(fn)
+
+
+def call(fn, args):
+    """Rows are dynamic (one compile serves all row counts), weight shapes static as for parameters."""
+    keys = ("x", "q_weight", "kv_weight", "q_norm_weight", "kv_norm_weight", "q_bias", "kv_bias")
+    for d in range(args["x"].dim() - 1):
+        torch._dynamo.maybe_mark_dynamic(args["x"], d)
+    return fn(*(args[k] for k in keys))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_template_matches_reference_over_rows_and_is_no_less_accurate_than_eager(dtype):
+    fn = compiled_op()
+    # hidden 100 and 10 + 18 output rows: k tails (not a multiple of 32) and n tails (not of 4)
+    shape = dict(hidden=100, nq=10, lora=12, rope=6)
+    args = make_args(3, dtype, bias=True, **shape)
+    outputs, (code,) = run_and_get_code(call, fn, args)
+    assert "mi::dot_panel" in code, "our template's C++ is in the module"
+    assert "torch.ops.mla.qkv_a_proj" not in code, "no fallback to the eager op"
+    if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert "_mm512_dpbf16_ps" in code
+    for rows in (1, 3, 17, 64, 512):
+        args = make_args(rows, dtype, bias=True, seed=rows, **shape)
+        outputs = call(fn, args)
+        assert_close_to_reference(outputs, args, dtype)
+        ours, eager = max_errors(outputs, reference_fp64(**args)), max_errors(op(**args), reference_fp64(**args))
+        for o, e in zip(ours, eager):
+            assert o <= 2 * e + 1e-7, (rows, ours, eager)
+
+
+def test_template_strided_x_three_d_and_no_q_norm():
+    fn = compiled_op()
+    args = make_args(7, torch.bfloat16, q_norm=False)
+    wide = torch.randn(7, 2 * 96).to(torch.bfloat16)
+    args["x"] = wide[:, ::2]  # a strided row: last dim not contiguous
+    assert_close_to_reference(call(fn, args), args, torch.bfloat16)
+    args["x"] = wide[:, 96:]  # row stride 192, last dim contiguous
+    assert_close_to_reference(call(fn, args), args, torch.bfloat16)
+    args3 = make_args(0, torch.bfloat16, q_norm=False, lead=(2, 5))
+    assert_close_to_reference(call(fn, args3), args3, torch.bfloat16)
+
+
+# --- the patterns ----------------------------------------------------------------------------------
+
+
+class FusedWeightAttention(nn.Module):
+    """The A-projections as vLLM and SGLang hold them: one weight, then split."""
+
+    def __init__(self, hidden=64, q_lora_rank=24, kv_lora_rank=16, rope=8):
+        super().__init__()
+        self.sizes = [q_lora_rank, kv_lora_rank + rope]
+        self.kv_lora_rank, self.rope = kv_lora_rank, rope
+        self.fused_qkv_a_proj_with_mqa = nn.Linear(hidden, sum(self.sizes), bias=False)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        init_weights_(self, seed=0)
+
+    def forward(self, x):
+        q, latent = self.fused_qkv_a_proj_with_mqa(x).split(self.sizes, dim=-1)
+        c_kv, k_pe = latent.split([self.kv_lora_rank, self.rope], dim=-1)
+        return self.q_a_layernorm(q) * 2, self.kv_a_layernorm(c_kv) + 1, k_pe * 3
+
+
+class TwoLinears(nn.Module):
+    """transformers' spelling: q_a_proj and kv_a_proj_with_mqa over the same x."""
+
+    def __init__(self, hidden=64, q_lora_rank=24, kv_lora_rank=16, rope=8, bias=False):
+        super().__init__()
+        self.kv_lora_rank, self.rope = kv_lora_rank, rope
+        self.q_a_proj = nn.Linear(hidden, q_lora_rank, bias=bias)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, kv_lora_rank + rope, bias=bias)
+        self.q_a_layernorm = RMSNorm(q_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, 1e-6)
+        init_weights_(self, seed=0)
+
+    def forward(self, x, x_for_kv=None):
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x if x_for_kv is None else x_for_kv).split(
+            [self.kv_lora_rank, self.rope], dim=-1
+        )
+        return self.q_a_layernorm(self.q_a_proj(x)) * 2, self.kv_a_layernorm(c_kv) + 1, k_pe * 3
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_fused_weight_2d_joint(self):
+        model = FusedWeightAttention().to(torch.bfloat16)
+        graph = rewritten(model, torch.randn(3, 64).to(torch.bfloat16))
+        self.assertExpectedInline(graph, """\
+slice_tensor = slice.Tensor(arg0_1, 0, 0, 24)
+slice_tensor_1 = slice.Tensor(arg0_1, 0, 24, 9223372036854775807)
+qkv_a_proj_default = mla.qkv_a_proj(arg1_1, slice_tensor, slice_tensor_1, arg2_1, arg3_1, 1e-06, 1e-06)
+getitem_4 = <built-in function getitem>(qkv_a_proj_default, 0)
+getitem_5 = <built-in function getitem>(qkv_a_proj_default, 1)
+getitem_6 = <built-in function getitem>(qkv_a_proj_default, 2)
+mul_2 = mul.Tensor(getitem_4, 2)
+add_2 = add.Tensor(getitem_5, 1)
+mul_5 = mul.Tensor(getitem_6, 3)""")
+
+    def test_two_linears_3d_post_grad(self):
+        model = TwoLinears().to(torch.bfloat16)
+        graph = rewritten(model, torch.randn(2, 3, 64).to(torch.bfloat16), stage="post_grad")
+        self.assertExpectedInline(graph, """\
+qkv_a_proj_default = mla.qkv_a_proj(arg1_1, arg2_1, arg0_1, arg3_1, arg4_1, 1e-06, 1e-06)
+getitem_2 = <built-in function getitem>(qkv_a_proj_default, 0)
+getitem_3 = <built-in function getitem>(qkv_a_proj_default, 1)
+getitem_4 = <built-in function getitem>(qkv_a_proj_default, 2)
+mul_2 = mul.Tensor(getitem_2, 2)
+add_2 = add.Tensor(getitem_3, 1)
+mul_5 = mul.Tensor(getitem_4, 3)""")
+
+    def test_two_linears_3d_dynamic_fp32_with_bias(self):
+        model = TwoLinears(bias=True)
+        graph = rewritten(model, torch.randn(1, 5, 64), dynamic=True)
+        self.assertIn("mla.qkv_a_proj", graph)
+        self.assertNotIn(" = mm(", graph)
+        self.assertNotIn("addmm", graph)
+
+    def test_under_freezing_the_joint_pass_takes_it_before_weight_packing(self):
+        model = TwoLinears().to(torch.bfloat16)
+        graph = rewritten(model, torch.randn(1, 3, 64).to(torch.bfloat16), freezing=True)  # decode-sized
+        self.assertIn("mla.qkv_a_proj", graph)
+        self.assertNotIn("mkldnn", graph)
+
+    # --- where it must not fire ---
+
+    def test_not_when_the_projections_read_different_inputs(self):
+        model = TwoLinears().to(torch.bfloat16)
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        graph = rewritten(model, x, x + 1)
+        self.assertNotIn("qkv_a_proj", graph)
+        self.assertEqual(graph.count(" = mm("), 2)
+
+    def test_a_norm_weight_of_another_dtype_stays_outside_the_op(self):
+        model = TwoLinears().to(torch.bfloat16)
+        model.q_a_layernorm.float()  # its output is fp32: the op cannot produce it
+        x = torch.randn(3, 64).to(torch.bfloat16)
+        result = mla_inductor.explain(model, x, verbose=False)
+        self.assertTrue(any("q_norm_weight has dtype torch.float32" in e.reason for e in result.rejected))
+        graph = rewritten(model, x)  # the projections still fuse, without the q norm
+        self.assertIn("mla.qkv_a_proj", graph)
+        self.assertEqual(graph.count("rsqrt("), 1)
+        self.assertEqual(graph.count(" = mm("), 0)
+
+    def test_not_when_switched_off(self):
+        model = FusedWeightAttention().to(torch.bfloat16)
+        graph = rewritten(model, torch.randn(3, 64).to(torch.bfloat16), fusions={"qkv_a_proj": False})
+        self.assertNotIn("qkv_a_proj", graph)
+
+    def test_not_for_many_rows_under_freezing_where_onednn_is_faster(self):
+        model = FusedWeightAttention().to(torch.bfloat16)
+        x = torch.randn(16, 64).to(torch.bfloat16)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(freezing=True):
+            result = mla_inductor.explain(model, x, verbose=False)
+        self.assertEqual(result.counts()["qkv_a_proj"], 0)
+        self.assertIn("16 rows", str(result))
+
+
+# --- real models -----------------------------------------------------------------------------------
+
+
+def test_serving_model_decode_fires_per_layer_and_matches_eager():
+    config = get_config("tiny", num_layers=3)
+    model = build_model(config, dtype=torch.bfloat16)
+    block_tables, num_blocks = make_block_tables(2, 40, 16)
+    caches = model.allocate_kv_cache(num_blocks, 16)
+    for c in caches:
+        c.normal_()
+    args = (torch.tensor([5, 7]), caches, block_tables, torch.tensor([17, 33]))
+    with torch.no_grad():
+        expected = model.forward_decode(*args)
+        actual = torch.compile(model.forward_decode, backend="mla_inductor")(*args)
+    assert mla_inductor.fusion_counts()["qkv_a_proj"] == config.num_layers
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 3 layers
+
+
+@pytest.mark.parametrize(
+    "name, overrides",
+    [("tiny", {}), ("tiny-no-q-lora", {"q_lora_rank": None})],
+)
+def test_transformers_deepseek_fires_per_layer_and_matches_eager(name, overrides):
+    config = get_config("tiny", **overrides)
+    arch = "v2" if overrides else "v3"
+    model = build_hf_model(config, arch=arch, dtype=torch.float32)
+    ids = torch.randint(0, config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        actual = torch.compile(lambda i: model(input_ids=i, use_cache=False).logits, backend="mla_inductor")(ids)
+    assert mla_inductor.fusion_counts()["qkv_a_proj"] == config.num_layers
+    torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
