@@ -5,6 +5,10 @@ import torch
 
 # Tests compare numerics, not speed: keep compiles deterministic and the thread count fixed.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Hermetic compiles: a cache hit from an earlier run would replay code without running MLAPass,
+# and tests that count fusions would see none. test_backend checks the cache in its own process.
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
 
 
 @pytest.fixture(autouse=True)
