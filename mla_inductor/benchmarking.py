@@ -47,6 +47,17 @@ def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
     return 2 * nbytes / seconds
 
 
+def read_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
+    """Bytes per second of a streaming read (a sum over a large tensor): what weight streaming can reach.
+
+    Lower bound of the decode roofline's denominator alongside `copy_bandwidth`, which counts a
+    copy's reads and writes but not the write-allocate reads it also pays, and so reads lower.
+    """
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    seconds = interleaved_medians({"read": lambda: src.sum()}, rounds=rounds, calls=3, warmup=1)["read"]
+    return nbytes / seconds
+
+
 def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168) -> float:
     """FLOP per second of oneDNN's GEMM (`torch.mm`) at a prefill-like shape (the prefill roofline)."""
     a = torch.randn(m, k).to(dtype)

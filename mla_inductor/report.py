@@ -240,7 +240,8 @@ def to_markdown(report: dict) -> str:
     m = report["machine"]
     lines.append("")
     lines.append(
-        f"Measured in this run: copy bandwidth {m['copy_bandwidth_GBps']:.1f} GB/s, oneDNN {report['dtype']} GEMM "
+        f"Measured in this run: copy bandwidth {m['copy_bandwidth_GBps']:.1f} GB/s (read stream "
+        f"{m['read_bandwidth_GBps']:.1f} GB/s), oneDNN {report['dtype']} GEMM "
         f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}. Roofline: decode = (weights + KV "
         "cache read) / copy bandwidth; prefill = FLOPs / GEMM throughput. Times are medians of interleaved rounds."
     )
@@ -341,6 +342,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     torch._functorch.config.enable_autograd_cache = False
 
     bandwidth = benchmarking.copy_bandwidth()
+    read = benchmarking.read_bandwidth()
     gemm = benchmarking.gemm_throughput(dtype)
     configs = {m: model_config(args, m, dtype) for m in {c.model for c in cases}}
     results = []
@@ -355,6 +357,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "configs": {m: dataclasses.asdict(c) for m, c in configs.items()},
         "machine": {
             "copy_bandwidth_GBps": bandwidth / 1e9,
+            "read_bandwidth_GBps": read / 1e9,
             "gemm_GFLOPs": gemm / 1e9,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

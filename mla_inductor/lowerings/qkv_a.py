@@ -18,7 +18,7 @@ from . import template_source
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Where the NT template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
-# shape, 2 threads): with freezing, oneDNN's prepacked weights win from 8 rows on; without freezing,
+# shape, 2 threads): with freezing, oneDNN's prepacked weights tie at 8 rows and win beyond; without freezing,
 # Inductor calls unpacked mm, which the template beats up to 64 rows. The pattern consults this
 # (patterns/qkv_a.py) so that larger row counts keep Inductor's own best path.
 MAX_ROWS_FROZEN = 4
