@@ -221,6 +221,19 @@ mul_5 = mul.Tensor(getitem_4, 3)""")
         self.assertIn("mla.qkv_a_proj", graph)
         self.assertNotIn("mkldnn", graph)
 
+    def test_explain_names_the_module_where_it_fired(self):
+        class Block(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.self_attn = FusedWeightAttention()
+
+            def forward(self, x):
+                return self.self_attn(x)
+
+        result = mla_inductor.explain(Block().to(torch.bfloat16), torch.randn(2, 64).to(torch.bfloat16), verbose=False)
+        self.assertEqual([(e.fusion, e.where) for e in result.fired], [("qkv_a_proj", "self_attn")])
+        self.assertIn("fired     qkv_a_proj           self_attn", str(result))
+
     # --- where it must not fire ---
 
     def test_not_when_the_projections_read_different_inputs(self):
