@@ -1,3 +1,4 @@
 """The mla:: custom ops: schema, eager reference and fake (meta) implementation, one module per fused op."""
 
 from . import qkv_a  # noqa: F401
+from . import mla_decode  # noqa: F401
