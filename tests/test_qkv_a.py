@@ -1,7 +1,10 @@
 """qkv_a_proj: the op, its C++ template, the patterns (where they fire and where not), real models."""
 
+import functools
 import expecttest
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -139,6 +142,21 @@ def test_template_strided_x_three_d_and_no_q_norm():
     assert_close_to_reference(call(fn, args), args, torch.bfloat16)
     args3 = make_args(0, torch.bfloat16, q_norm=False, lead=(2, 5))
     assert_close_to_reference(call(fn, args3), args3, torch.bfloat16)
+
+
+@functools.cache
+def shared_compiled_op():
+    return compiled_op()
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 40), row_stride_pad=st.integers(0, 40), seed=st.integers(0, 2**16))
+def test_template_over_rows_and_row_strides(rows, row_stride_pad, seed):
+    """One compile (dynamic rows) serves every example; x rows may be padded (row stride > hidden)."""
+    args = make_args(rows, torch.bfloat16, hidden=72, nq=20, lora=16, rope=8, seed=seed)
+    padded = torch.randn(rows, 72 + row_stride_pad, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+    args["x"] = padded[:, :72]
+    assert_close_to_reference(call(shared_compiled_op(), args), args, torch.bfloat16)
 
 
 # --- the patterns ----------------------------------------------------------------------------------
