@@ -1,11 +1,12 @@
 """qkv_a_proj: the op, its C++ template, the patterns (where they fire and where not), real models."""
 
 import functools
+
 import expecttest
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
