@@ -5,9 +5,9 @@ import functools
 import expecttest
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch.nn.functional as F
 from torch import nn
 from torch._inductor.utils import run_and_get_code
 
