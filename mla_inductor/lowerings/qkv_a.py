@@ -32,7 +32,10 @@ def template_wins(rows: int) -> bool:
 
 class QkvAProjTemplate(CppTemplate):
     def __init__(self, inputs: dict, layout: ir.Layout, q_eps: float, kv_eps: float) -> None:
-        super().__init__("mla_qkv_a_proj", [n for n in inputs.values() if n is not None], layout, parallel_num_threads())
+        # Optional inputs stay in `inputs` as None (the C++ template branches on them); the kernel's
+        # arguments are the present ones, in this order.
+        self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
+        super().__init__("mla_qkv_a_proj", list(self.present_inputs.values()), layout, parallel_num_threads())
         self.inputs = inputs
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
@@ -43,7 +46,7 @@ class QkvAProjTemplate(CppTemplate):
         x, wq, wkv = self.inputs["X"], self.inputs["WQ"], self.inputs["WKV"]
         # Declare the kernel's arguments before anything names a size: sizes named earlier would
         # get symbols the signature does not declare.
-        signature = kernel.def_kernel(inputs={k: v for k, v in self.inputs.items() if v is not None}, outputs={"Y": y})
+        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
         x_size = x.get_size()
         rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
         options = dict(
@@ -108,9 +111,10 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
     nq, nkv = inputs["WQ"].get_size()[0], inputs["WKV"].get_size()[0]
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
+    template = QkvAProjTemplate(inputs, layout, q_eps, kv_eps)
     choices = []
-    QkvAProjTemplate(inputs, layout, q_eps, kv_eps).maybe_append_choice(choices)
-    y, _ = autotune_select_algorithm("mla_qkv_a_proj", choices, [n for n in inputs.values() if n is not None], layout)
+    template.maybe_append_choice(choices)
+    y, _ = autotune_select_algorithm("mla_qkv_a_proj", choices, template.input_nodes, layout)
     # Consumers read q, c_kv and k_pe as views of the one output: fusing a pointwise consumer into
     # the template would need per-segment store_output; not worth it next to a weight stream.
     y.data.data.allow_epilogue_fusion = False
