@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from torch._inductor.utils import run_and_get_code
+
 from mla_inductor.models import make_block_tables
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
 
@@ -115,3 +117,64 @@ def test_bad_input_raises_naming_the_argument(change, message):
     args.update(change)
     with pytest.raises(ValueError, match=message):
         op(**args)
+
+
+# --- the C++ template against the reference -------------------------------------------------------
+
+_compiled = {}
+
+
+def compiled_op(**static):
+    """The op compiled alone with mla_inductor, one compile per distinct set of static arguments."""
+    key = tuple(sorted(static.items()))
+    if key not in _compiled:
+        _compiled[key] = torch.compile(
+            lambda q, cache, tables, lens, **tensors: op(q, cache, tables, lens, LORA, **static, **tensors),
+            backend="mla_inductor",
+            dynamic=False,
+        )
+    return _compiled[key]
+
+
+def run_template(fn, *args, **kwargs):
+    out, (code,) = run_and_get_code(fn, *args, **kwargs)
+    assert "mi::attend_split" in code and "torch.ops.mla" not in code, "the template did not serve"
+    return out, code
+
+
+@pytest.mark.parametrize(
+    "batch, heads, seq_lens, block_size, dtype",
+    [
+        (1, 22, [888], 1, torch.bfloat16),
+        (4, 22, [1024] * 4, 16, torch.bfloat16),
+        *[(8, 16, [1, 15, 16, 17, 64, 100, 33, 7], bs, dt) for bs in (1, 16, 64) for dt in (torch.bfloat16, torch.float32)],
+    ],
+)
+def test_template_matches_per_request_sdpa_and_never_reads_past_seq_len(batch, heads, seq_lens, block_size, dtype):
+    q, cache, block_tables, lens, dense = paged_case(batch, heads, seq_lens, block_size, dtype)
+    scale = (LORA + ROPE) ** -0.5
+    out, _ = run_template(compiled_op(scale=scale), q, cache, block_tables, lens)
+    assert torch.isfinite(out).all(), "a NaN row past seq_len was read"
+    assert_matches(out, sdpa_reference(q, dense, lens, scale), dtype)
+
+
+def test_template_de_absorbs_writes_the_new_row_and_caps():
+    q, cache, block_tables, lens, dense = paged_case(3, 5, [20, 33, 0], 16, torch.bfloat16)
+    new = torch.randn(3, LORA + ROPE).to(torch.bfloat16)
+    slots = block_tables.gather(1, (lens // 16)[:, None]).squeeze(1) * 16 + lens % 16
+    w_vc = (torch.randn(5, 128, LORA) * LORA**-0.5).to(torch.bfloat16)
+    expected_cache = cache.clone()
+    expected = op(q, expected_cache, block_tables, lens + 1, LORA, 0.05, 3.0, new_rows=new, slots=slots, w_vc=w_vc)
+    out, _ = run_template(compiled_op(scale=0.05, softcap=3.0), q, cache, block_tables, lens + 1, new_rows=new,
+                          slots=slots, w_vc=w_vc)
+    torch.testing.assert_close(cache, expected_cache, equal_nan=True)
+    assert_matches(out, expected.double(), torch.bfloat16)
+
+
+def test_template_rejects_bad_lengths_and_blocks():
+    q, cache, block_tables, lens, _ = paged_case(2, 3, [12, 5], 4, torch.float32)
+    fn = compiled_op(scale=0.1)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\] = 99 is outside \[0, 12\]"):
+        fn(q, cache, block_tables, torch.tensor([12, 99]))
+    with pytest.raises(RuntimeError, match=r"block_tables\[0, 0\] = 50 names a block outside"):
+        fn(q, cache, torch.full_like(block_tables, 50), lens)

@@ -21,4 +21,4 @@ def template_source(name: str) -> str:
     return (TEMPLATE_DIR / name).read_text()
 
 
-from . import qkv_a  # noqa: E402,F401
+from . import mla_decode, qkv_a  # noqa: E402,F401

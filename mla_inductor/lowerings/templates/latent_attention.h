@@ -1,0 +1,390 @@
+// Flash decoding over a paged latent cache: micro-kernels for mla::latent_decode_attention.
+//
+// A decode step reads every cache row once and dots it with all heads' queries (MQA in latent space:
+// K_j = c_kv_j | k_pe_j, V_j = c_kv_j, the same memory). A task owns one request and one contiguous
+// split of its rows, walks them in blocks of kKvBlock rows, and keeps per head a running max m, a
+// running sum l and an unnormalised fp32 output o (online softmax). Splits are merged by their
+// log-sum-exp afterwards.
+//
+// With AVX512-BF16 both products run on _mm512_dpbf16_ps:
+//   scores = q . K_j^T  -- NT form, heads x rows register tiles, reduced across lanes per tile;
+//   o     += p . V      -- p is rounded to bf16 and broadcast as (p_j, p_j+1) pairs, the V rows are
+//                          interleaved pairwise on the fly; o's columns come out permuted within each
+//                          32-column chunk (see paired_column) and are put back in order at the merge.
+// Otherwise (fp32, fp16: this CPU has no avx512_fp16) everything widens to fp32 and FMAs.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace mla_inductor {
+
+// Rows per online-softmax step: all heads' scores and probabilities for one block stay in L1, and the
+// block's rows (64 x 1152 B) are still in L2 when the P.V pass reads them a second time.
+constexpr int kKvBlock = 64;
+// Score tiles are up to kQkHeads heads x kQkRows rows: 24 accumulators + 4 row vectors + 1 query vector.
+constexpr int kQkHeads = 6;
+constexpr int kQkRows = 4;
+// P.V tiles are up to kPvHeads heads x 32 columns (two accumulators per head) + 5 working registers.
+constexpr int kPvHeads = 12;
+
+// Calls f.template operator()<N>() for the runtime n in [1, MAX].
+template <int MAX, typename F>
+__attribute__((always_inline)) inline void dispatch_count(int n, F&& f) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return dispatch_count<MAX - 1>(n, f);
+  }
+  f.template operator()<MAX>();
+}
+
+// Row pointers for rows [j0, j0 + n) of one request: row j lives at block table[j / bs], offset j % bs.
+template <typename T, typename IndexT>
+inline void gather_rows(const T* cache, int64_t block_size, int64_t row_stride, const IndexT* table, int64_t j0,
+                        int n, const T** rows) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t j = j0 + i;
+    rows[i] = cache + (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * row_stride;
+  }
+}
+
+#if defined(__AVX512BF16__)
+// Column of o that lane i of a 32-column chunk holds: _mm512_unpack{lo,hi}_epi16 interleave two rows
+// within 128-bit lanes, so the "lo" accumulator (i < 16) gets columns 8q..8q+3 and "hi" 8q+4..8q+7.
+inline int paired_column(int i) {
+  const int lane = i & 15;
+  return 8 * (lane >> 2) + (i >= 16 ? 4 : 0) + (lane & 3);
+}
+
+// The four horizontal sums of a0..a3 as one 128-bit vector (cheaper than four full reductions).
+__attribute__((always_inline)) inline __m128 reduce_add_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+// s[h * lds + n] = scale * q[h] . rows[n] over D columns, for MH heads x NR rows.
+// PREFETCH: the first head tile to touch a row tile asks for the rows of the next tile (`ahead`), one
+// line per row per k-step: the cache rows are the one stream from memory, and the hardware prefetcher
+// does not run far enough ahead on a few short, scattered rows. The L2 hint measured faster than L1
+// (benchmarks/mla_decode.py: 2.6-2.8 ms against 3.1-3.5 ms at B=4, 22 heads, 4096 rows).
+template <int64_t D, int MH, int NR, bool PREFETCH>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* const* rows,
+                         const c10::BFloat16* const* ahead, float scale, float* s, int64_t lds) {
+  __m512 acc[MH][NR];
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
+  auto step = [&](int64_t k, auto load) {
+    __m512bh kv[NR];
+    for (int n = 0; n < NR; ++n) kv[n] = load(rows[n] + k);
+    if constexpr (PREFETCH) {
+      for (int n = 0; n < kQkRows; ++n) _mm_prefetch(reinterpret_cast<const char*>(ahead[n] + k), _MM_HINT_T1);
+    }
+    for (int h = 0; h < MH; ++h) {
+      const __m512bh qv = load(q + h * ldq + k);
+      for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_dpbf16_ps(acc[h][n], qv, kv[n]);
+    }
+  };
+  for (int64_t k = 0; k + 32 <= D; k += 32)
+    step(k, [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); });
+  if constexpr (D % 32 != 0) {
+    constexpr __mmask32 mask = (__mmask32(1) << (D % 32)) - 1;  // zero lanes add 0
+    step(D - D % 32, [](const c10::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); });
+  }
+  for (int h = 0; h < MH; ++h) {
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(s + h * lds, _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(acc[h][0], acc[h][1], acc[h][2], acc[h][3])));
+    } else {
+      for (int n = 0; n < NR; ++n) s[h * lds + n] = scale * _mm512_reduce_add_ps(acc[h][n]);
+    }
+  }
+}
+
+// o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs.
+// p rows hold bf16 probabilities with an even count (a zero pads an odd block).
+template <int MH>
+inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* const* rows, int n_pairs,
+                         int64_t c, const float* alpha, float* o, int64_t ldo) {
+  __m512 lo[MH], hi[MH];
+  for (int h = 0; h < MH; ++h) {
+    const __m512 a = _mm512_set1_ps(alpha[h]);
+    lo[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c));
+    hi[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c + 16));
+  }
+  for (int pr = 0; pr < n_pairs; ++pr) {
+    const __m512i r0 = _mm512_loadu_si512(rows[2 * pr] + c);
+    const __m512i r1 = _mm512_loadu_si512(rows[2 * pr + 1] + c);
+    const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+    const __m512bh v_hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    for (int h = 0; h < MH; ++h) {
+      int32_t pair;
+      std::memcpy(&pair, p + h * ldp + 2 * pr, sizeof(pair));
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+      lo[h] = _mm512_dpbf16_ps(lo[h], pp, v_lo);
+      hi[h] = _mm512_dpbf16_ps(hi[h], pp, v_hi);
+    }
+  }
+  for (int h = 0; h < MH; ++h) {
+    _mm512_storeu_ps(o + h * ldo + c, lo[h]);
+    _mm512_storeu_ps(o + h * ldo + c + 16, hi[h]);
+  }
+}
+#endif
+
+template <typename T>
+inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count) {
+  using Vec = at::vec::Vectorized<float>;
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p, count);
+  } else {
+    return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, count));
+  }
+}
+
+// Portable score tile: widen to fp32 and FMA.
+template <typename T, int MH, int NR>
+inline void qk_tile_fma(const T* q, int64_t ldq, const T* const* rows, int64_t D, float scale, float* s, int64_t lds) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  Vec acc[MH][NR];
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
+  for (int64_t k = 0; k < D; k += W) {
+    const int64_t count = std::min<int64_t>(W, D - k);  // a partial load zero-fills
+    Vec kv[NR];
+    for (int n = 0; n < NR; ++n) kv[n] = load_floats(rows[n] + k, count);
+    for (int h = 0; h < MH; ++h) {
+      const Vec qv = load_floats(q + h * ldq + k, count);
+      for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
+    }
+  }
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n)
+      s[h * lds + n] = scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[h][n]);
+}
+
+// Portable P.V tile: o[h, c .. c + width) = alpha[h] * o + sum_j p[h, j] V_j[c ..], fp32 FMAs.
+template <typename T, int MH>
+inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n, int64_t c, int64_t width,
+                        const float* alpha, float* o, int64_t ldo) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  for (int64_t c0 = c; c0 < c + width; c0 += W) {
+    const int64_t count = std::min<int64_t>(W, c + width - c0);
+    Vec acc[MH];
+    for (int h = 0; h < MH; ++h) acc[h] = Vec(alpha[h]) * Vec::loadu(o + h * ldo + c0, count);
+    for (int j = 0; j < n; ++j) {
+      const Vec v = load_floats(rows[j] + c0, count);
+      for (int h = 0; h < MH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * ldp + j]), v, acc[h]);
+    }
+    for (int h = 0; h < MH; ++h) acc[h].store(o + h * ldo + c0, count);
+  }
+}
+
+// Online-softmax state of one task: per head the running max and sum, and the unnormalised output.
+struct SoftmaxState {
+  float* m;  // [H]
+  float* l;  // [H]
+  float* o;  // [H, L]
+};
+
+// Whether the dpbf16 kernels serve this dtype and latent width (P.V works in 32-column chunks).
+template <typename T>
+constexpr bool use_bf16_kernels(int64_t L) {
+#if defined(__AVX512BF16__)
+  return std::is_same_v<T, c10::BFloat16> && L % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// exp(x - max) for n scores, rounded to P (the type the P.V kernel multiplies in); returns the sum of
+// the rounded values, so that numerator and denominator agree.
+template <typename P>
+inline float exp_and_round(const float* row, int n, float max, P* prob) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int W = Vec::size();
+  Vec sum(0.f);
+  for (int j = 0; j < n; j += W) {
+    const int count = std::min(W, n - j);
+    Vec e = (Vec::loadu(row + j, count) - Vec(max)).exp_u20();
+    if constexpr (std::is_same_v<P, float>) {
+      e.store(prob + j, count);
+    } else {
+      const at::vec::Vectorized<P> rounded = at::vec::convert<P>(e);
+      rounded.store(prob + j, count);
+      e = at::vec::convert<float>(rounded);
+    }
+    sum += Vec::set(Vec(0.f), e, count);  // lanes past count hold exp(-max) garbage
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+}
+
+// One step of the online softmax over a block of n rows: s (scaled scores, [H, kKvBlock]) becomes the
+// probabilities p, and alpha[h] the factor that rescales the earlier o and l.
+template <typename P>
+inline void softmax_step(float* s, int H, int n, float softcap, SoftmaxState& st, float* alpha, P* p) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int W = Vec::size();
+  for (int h = 0; h < H; ++h) {
+    float* row = s + h * kKvBlock;
+    Vec block_max(-std::numeric_limits<float>::infinity());
+    for (int j = 0; j < n; j += W) {
+      const int count = std::min(W, n - j);
+      Vec x = Vec::loadu(row + j, count);
+      if (softcap > 0.f) {
+        x = Vec(softcap) * (x / Vec(softcap)).tanh();
+        x.store(row + j, count);
+      }
+      block_max = at::vec::maximum(block_max, Vec::set(Vec(-std::numeric_limits<float>::infinity()), x, count));
+    }
+    const float m_new = std::max(
+        st.m[h], at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, block_max));
+    P* prob = p + h * kKvBlock;
+    if (m_new == -std::numeric_limits<float>::infinity()) {  // only -inf scores so far: nothing to weigh
+      alpha[h] = 1.f;
+      std::fill(prob, prob + n + (n & 1), P(0.f));
+      continue;
+    }
+    alpha[h] = std::exp(st.m[h] - m_new);
+    const float sum = exp_and_round(row, n, m_new, prob);
+    if (n & 1) prob[n] = P(0.f);  // pads an odd block to whole pairs
+    st.l[h] = st.l[h] * alpha[h] + sum;
+    st.m[h] = m_new;
+  }
+}
+
+// Attention of H query heads (q rows ldq apart, D columns) over rows [j0, j1) of one request, into st
+// (initialised by the caller). V is the first L columns of each row. `zero_row` pads an odd block, so
+// that no row at or past the request's length is ever read.
+template <typename T, typename IndexT, int H, int64_t D, int64_t L>
+inline void attend_split(const T* q, int64_t ldq, const T* cache, int64_t block_size, const IndexT* table, int64_t j0,
+                         int64_t j1, float scale, float softcap, const T* zero_row, SoftmaxState& st) {
+  constexpr bool kBf16 = use_bf16_kernels<T>(L);
+  using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
+  alignas(64) float s[H * kKvBlock];
+  alignas(64) ProbT p[H * kKvBlock];
+  float alpha[H];
+  const T* rows[kKvBlock + 1];  // this block's rows and the pad
+  const T* next[kKvBlock];      // the next block's, gathered early for the prefetch
+  gather_rows(cache, block_size, D, table, j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)), next);
+  for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kKvBlock, j1 - jb));
+    std::copy(next, next + n, rows);
+    rows[n] = zero_row;
+    const int n_next = static_cast<int>(std::clamp<int64_t>(j1 - jb - n, 0, kKvBlock));
+    gather_rows(cache, block_size, D, table, jb + n, n_next, next);
+
+    // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
+    for (int n0 = 0; n0 < n; n0 += kQkRows) {
+      // The rows after this tile, for the prefetch (the last real row repeats past the task's end).
+      const T* ahead[kQkRows];
+      for (int i = 0; i < kQkRows; ++i) {
+        const int a = n0 + kQkRows + i;
+        ahead[i] = a < n ? rows[a] : a - n < n_next ? next[a - n] : rows[n - 1];
+      }
+      for (int h0 = 0; h0 < H; h0 += kQkHeads) {
+        dispatch_count<kQkHeads>(std::min(kQkHeads, H - h0), [&]<int MH>() {
+          dispatch_count<kQkRows>(std::min(kQkRows, n - n0), [&]<int NR>() {
+            float* tile = s + h0 * kKvBlock + n0;
+#if defined(__AVX512BF16__)
+            if constexpr (std::is_same_v<T, c10::BFloat16>) {
+              if (h0 == 0) {
+                qk_tile_bf16<D, MH, NR, true>(q, ldq, rows + n0, ahead, scale, tile, kKvBlock);
+              } else {
+                qk_tile_bf16<D, MH, NR, false>(q + h0 * ldq, ldq, rows + n0, ahead, scale, tile, kKvBlock);
+              }
+              return;
+            }
+#endif
+            qk_tile_fma<T, MH, NR>(q + h0 * ldq, ldq, rows + n0, D, scale, tile, kKvBlock);
+          });
+        });
+      }
+    }
+
+    softmax_step<ProbT>(s, H, n, softcap, st, alpha, p);
+
+    // o = alpha * o + p . V, heads in balanced tiles of at most kPvHeads.
+    constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
+    constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
+    for (int h0 = 0; h0 < H; h0 += kTileHeads) {
+      dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
+        if constexpr (kBf16) {
+#if defined(__AVX512BF16__)
+          for (int64_t c = 0; c < L; c += 32)
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
+#endif
+        } else {
+          constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
+          for (int64_t c = 0; c < L; c += kChunk)
+            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, rows, n, c, std::min(kChunk, L - c), alpha + h0,
+                               st.o + h0 * L, L);
+        }
+      });
+    }
+  }
+}
+
+// Column of the natural output that position i of a task's o holds.
+template <typename T>
+inline int64_t stored_column(int64_t i, int64_t L) {
+#if defined(__AVX512BF16__)
+  if (use_bf16_kernels<T>(L)) return (i & ~int64_t(31)) + paired_column(static_cast<int>(i & 31));
+#endif
+  (void)L;
+  return i;
+}
+
+// Per-task scratch of the template: m [H], l [H], then o [H, L] (columns as stored_column maps them).
+template <int H, int64_t L>
+constexpr int64_t kTaskFloats = H * (L + 2);
+
+// The normalised latent output of head h, in natural column order: the splits' partial results are
+// weighed by exp(m_s - max_s m_s), i.e. merged by their log-sum-exp. A request without rows gets zeros.
+template <typename T, int H, int64_t L>
+inline void merge_splits(const float* tasks, int64_t splits, int h, float* latent) {
+  constexpr int64_t kTask = kTaskFloats<H, L>;
+  std::fill(latent, latent + L, 0.f);
+  float m_max = -std::numeric_limits<float>::infinity();
+  for (int64_t sp = 0; sp < splits; ++sp) m_max = std::max(m_max, tasks[sp * kTask + h]);
+  if (m_max == -std::numeric_limits<float>::infinity()) return;
+  float denominator = 0.f;
+  for (int64_t sp = 0; sp < splits; ++sp)
+    denominator += std::exp(tasks[sp * kTask + h] - m_max) * tasks[sp * kTask + H + h];
+  for (int64_t sp = 0; sp < splits; ++sp) {
+    const float* task = tasks + sp * kTask;
+    if (task[H + h] == 0.f) continue;
+    const float weight = std::exp(task[h] - m_max) / denominator;
+    const float* o = task + 2 * H + h * L;
+    for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] += weight * o[i];
+  }
+}
+
+// a . b over n columns, a in fp32 and b widened from T (the W_vc de-absorption of one output column).
+template <typename T>
+inline float dot_widened(const float* a, const T* b, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  Vec acc(0.f);
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t count = std::min<int64_t>(W, n - i);
+    acc = at::vec::fmadd(Vec::loadu(a + i, count), load_floats(b + i, count), acc);
+  }
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+}
+
+}  // namespace mla_inductor
