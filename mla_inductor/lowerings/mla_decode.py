@@ -77,8 +77,8 @@ def _template_can_serve(q, kv_cache, block_tables, seq_lens, w_vc) -> bool:
         torch.int64,
     ):
         return False
-    # Heads, row width and block size shape the kernel's tiles and scratch; they must be compile-time.
-    return _static(*q.get_size()[1:], kv_cache.get_size()[1]) and (w_vc is None or _static(*w_vc.get_size()))
+    # Heads and row width shape the kernel's tiles and scratch; they must be compile-time.
+    return _static(*q.get_size()[1:]) and (w_vc is None or _static(*w_vc.get_size()[1:]))
 
 
 def _write_new_rows(kv_cache, new_rows, slots):
@@ -92,8 +92,8 @@ def _write_new_rows(kv_cache, new_rows, slots):
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0,
-                                  new_rows=None, slots=None, w_vc=None):
-    args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc)
+                                  new_rows=None, slots=None, w_vc=None, scale_tensor=None):
+    args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor)
     if not _template_can_serve(q, kv_cache, block_tables, seq_lens, w_vc):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
     if new_rows is not None:
@@ -111,6 +111,7 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
         "BT": realize(block_tables),
         "SL": realize(seq_lens),
         "WVC": realize(w_vc),
+        "SCALE": realize(scale_tensor),
     }
     batch, heads, _ = q.get_size()
     out_dim = kv_lora_rank if w_vc is None else w_vc.get_size()[1]

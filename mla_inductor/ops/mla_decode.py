@@ -10,6 +10,7 @@ Row j of request b lives at kv_cache[block_tables[b, j // block_size], j % block
 size of 1 is SGLang's per-token index layout, 16 vLLM's. When `new_rows` and `slots` are given,
 the op first writes new_rows[b] into flat row slots[b] of the cache (the new token's latent row), so
 the caller's separate cache write can be fused away. Rows at or past seq_lens[b] are never read.
+A 0-d `scale_tensor` overrides `scale` (what a float module attribute becomes under dynamic=True).
 
 The eager implementation is the reference: fp32 scores, softmax and accumulation, one rounding of
 the output (after the W_vc de-absorption when present).
@@ -29,7 +30,8 @@ def _fail(message: str) -> None:
     raise ValueError(f"mla::latent_decode_attention: {message}")
 
 
-def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc) -> None:
+def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc,
+               scale_tensor=None) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         _fail(f"q has dtype {q.dtype}; supported: bfloat16, float16, float32")
     if q.dim() != 3:
@@ -59,6 +61,8 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
             _fail(f"new_rows must be {q.dtype}[{batch}, {q.shape[-1]}], got {new_rows.dtype}{list(new_rows.shape)}")
         if slots.dim() != 1 or slots.shape[0] != batch or slots.is_floating_point():
             _fail(f"slots must be an integer [{batch}] tensor, got {slots.dtype}{list(slots.shape)}")
+    if scale_tensor is not None and (scale_tensor.dim() != 0 or not scale_tensor.is_floating_point()):
+        _fail(f"scale_tensor must be a 0-d floating tensor, got {scale_tensor.dtype}{list(scale_tensor.shape)}")
     if w_vc is not None:
         if w_vc.dim() != 3 or w_vc.shape[0] != q.shape[1] or w_vc.shape[2] != kv_lora_rank or w_vc.dtype != q.dtype:
             _fail(
@@ -92,9 +96,12 @@ def latent_decode_attention(
     new_rows: Optional[Tensor] = None,
     slots: Optional[Tensor] = None,
     w_vc: Optional[Tensor] = None,
+    scale_tensor: Optional[Tensor] = None,
 ) -> Tensor:
-    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc)
+    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor)
     _check_indices(kv_cache, block_tables, seq_lens, slots)
+    if scale_tensor is not None:
+        scale = float(scale_tensor)
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     if new_rows is not None:
         rows[slots] = new_rows
@@ -118,8 +125,9 @@ def latent_decode_attention(
 
 
 @latent_decode_attention.register_fake
-def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0, new_rows=None, slots=None, w_vc=None):
-    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc)
+def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0, new_rows=None, slots=None, w_vc=None,
+      scale_tensor=None):
+    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor)
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank if w_vc is None else w_vc.shape[1])
 
 

@@ -19,19 +19,48 @@ from ..explain import checked
 from ..passes import STAGES, pattern_pass
 
 # Fusion modules in this package, registered in this order (larger fusions first where they overlap).
-FUSION_MODULES: tuple[str, ...] = ("qkv_a",)
+FUSION_MODULES: tuple[str, ...] = ("qkv_a", "mla_decode")
 
 
-def trace_for_stage(stage: str) -> Callable:
-    if stage == "joint":
-        return fwd_only
+def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
+    """`scalar_tensor(v)` -> `full([], v)`: the joint graph's constant folding has already done this to
+    the graphs we match (a masked_fill's fill value, for one), the plain trace of a pattern has not."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.target is aten.scalar_tensor.default:
+            with gm.graph.inserting_before(node):
+                full = gm.graph.call_function(
+                    aten.full.default,
+                    ([], node.args[0]),
+                    {
+                        "dtype": node.kwargs.get("dtype"),
+                        "layout": torch.strided,
+                        "device": node.kwargs.get("device"),
+                        "pin_memory": False,
+                    },
+                )
+            full.meta.update(node.meta)
+            node.replace_all_uses_with(full)
+            gm.graph.erase_node(node)
+    gm.recompile()
 
-    def fwd_only_reshape(*args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        gm = fwd_only(*args, **kwargs)
-        view_to_reshape(gm)
+
+def trace_for_stage(stage: str, functionalize: bool = False) -> Callable:
+    """How a search function becomes a pattern graph for `stage`.
+
+    `functionalize`: search functions that write in place (`key[..., :n].copy_(k)`) must be traced
+    functionalized, as the matched graphs are; a plain trace keeps the in-place op and loses the data
+    dependency through it.
+    """
+
+    def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        gm = fwd_only(torch.func.functionalize(fn) if functionalize else fn, *args, **kwargs)
+        if stage == "post_grad":
+            view_to_reshape(gm)
+        _scalar_tensor_to_full(gm)
         return gm
 
-    return fwd_only_reshape
+    return trace
 
 
 def register_fusion(
@@ -42,6 +71,7 @@ def register_fusion(
     check: Callable[[Match], Optional[str]],
     stages: Sequence[str] = STAGES,
     size_agnostic: bool = False,
+    functionalize: bool = False,
     **kwargs: Any,
 ) -> None:
     """Register `search_fn -> replace_fn` in the given MLAPass stages; `check` returns a rejection reason or None.
@@ -50,15 +80,16 @@ def register_fusion(
     sizes appear in mixed spellings); `check` must then verify the literals itself.
     """
     for stage in stages:
+        trace = trace_for_stage(stage, functionalize)
         if size_agnostic:
             kwargs["search_fn_pattern"] = gen_pattern(
-                search_fn, list(example_inputs), trace_for_stage(stage), kwargs.get("scalar_workaround")
+                search_fn, list(example_inputs), trace, kwargs.get("scalar_workaround")
             )
         register_replacement(
             search_fn,
             replace_fn,
             list(example_inputs),
-            trace_for_stage(stage),
+            trace,
             pattern_pass(stage),
             extra_check=checked(fusion, stage, check),
             **kwargs,
