@@ -105,6 +105,8 @@ def test_softcap_and_empty_requests():
         (dict(block_tables=torch.full((2, 3), 50)), r"block_tables\[0\] names blocks outside"),
         (dict(seq_lens=torch.tensor([1.0, 2.0])), "seq_lens must be an integer"),
         (dict(kv_lora_rank=577), r"kv_lora_rank must be in \(0, 576\]"),
+        (dict(rope_cache=torch.zeros(5, 4, 64)), r"kv_cache must be \[num_blocks, block_size, 512\] to match q and rope_cache"),
+        (dict(scale_tensor=torch.tensor([1.0])), "scale_tensor must be a 0-d floating tensor"),
         (dict(new_rows=torch.zeros(2, 576)), "new_rows and slots go together"),
         (dict(new_rows=torch.zeros(2, 576), slots=torch.tensor([0, 10**6])), "slots must be in"),
         (dict(w_vc=torch.zeros(3, 128, 500)), r"w_vc must be torch.float32\[3, v_head_dim, 512\]"),
@@ -178,3 +180,13 @@ def test_template_rejects_bad_lengths_and_blocks():
         fn(q, cache, block_tables, torch.tensor([12, 99]))
     with pytest.raises(RuntimeError, match=r"block_tables\[0, 0\] = 50 names a block outside"):
         fn(q, cache, torch.full_like(block_tables, 50), lens)
+
+
+def test_separate_rope_cache_equals_the_joint_rows():
+    """transformers keeps c_kv and k_pe in two caches; the op reads them as one row without a copy."""
+    q, cache, block_tables, lens, dense = paged_case(3, 5, [40, 9, 1], 16, torch.bfloat16, nan_beyond=False)
+    latent, rope = cache[..., :LORA].contiguous(), cache[..., LORA:].contiguous()
+    expected = op(q, cache, block_tables, lens, LORA, 0.05)
+    torch.testing.assert_close(op(q, latent, block_tables, lens, LORA, 0.05, rope_cache=rope), expected)
+    out, _ = run_template(compiled_op(scale=0.05), q, latent, block_tables, lens, rope_cache=rope)
+    assert_matches(out, expected.double(), torch.bfloat16)

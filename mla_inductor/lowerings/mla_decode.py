@@ -32,7 +32,7 @@ class LatentDecodeAttentionTemplate(CppTemplate):
                epilogue_nodes=None, **kwargs) -> str:
         assert not epilogue_nodes, "epilogue fusion is disabled for this template"
         out = template_buffer_node if template_buffer_node is not None else self.output_node
-        q, kv, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC"))
+        q, kv, rope, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "ROPE", "BT", "SL", "WVC"))
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"OUT": out})  # before any size
         options = dict(
             template=self,
@@ -40,7 +40,8 @@ class LatentDecodeAttentionTemplate(CppTemplate):
             signature=signature,
             OUT=out,
             H=kernel.size(q, 1),
-            D=kernel.size(q, 2),
+            D1=kernel.size(kv, 2),
+            D2=kernel.size(rope, 2) if rope is not None else 0,
             L=self.kv_lora_rank,
             OUT_DIM=kernel.size(out, 2),
             BLOCK_SIZE=kernel.size(kv, 1),
@@ -92,8 +93,9 @@ def _write_new_rows(kv_cache, new_rows, slots):
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0,
-                                  new_rows=None, slots=None, w_vc=None, scale_tensor=None):
-    args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor)
+                                  new_rows=None, slots=None, w_vc=None, scale_tensor=None, rope_cache=None):
+    args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor,
+            rope_cache)
     if not _template_can_serve(q, kv_cache, block_tables, seq_lens, w_vc):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
     if new_rows is not None:
@@ -108,6 +110,7 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
     inputs = {
         "Q": realize(q),
         "KV": realize(kv_cache, contiguous=True),
+        "ROPE": realize(rope_cache, contiguous=True),
         "BT": realize(block_tables),
         "SL": realize(seq_lens),
         "WVC": realize(w_vc),

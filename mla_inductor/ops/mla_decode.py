@@ -1,7 +1,9 @@
 """mla::latent_decode_attention: absorbed MLA decode over a paged latent KV cache.
 
 Every query head attends over cache rows K_j = c_kv_j ‖ k_pe_j ([kv_lora_rank + rope]) with
-V_j = c_kv_j (the first kv_lora_rank columns of the same row):
+V_j = c_kv_j (the first kv_lora_rank columns of the same row). Serving engines keep the whole row in
+one cache; transformers keeps c_kv and k_pe in two, which `rope_cache` (the k_pe rows, paged alike)
+expresses without a copy:
 
     out[b, h] = softmax_j(scale · q[b, h] · K_j) · V_j          j < seq_lens[b]
     out[b, h] = out[b, h] · W_vc[h]^T                            if w_vc is given ([H, v_head_dim, L])
@@ -31,13 +33,27 @@ def _fail(message: str) -> None:
 
 
 def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc,
-               scale_tensor=None) -> None:
+               scale_tensor=None, rope_cache=None) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         _fail(f"q has dtype {q.dtype}; supported: bfloat16, float16, float32")
     if q.dim() != 3:
         _fail(f"q must be [batch, heads, kv_lora_rank + rope], got {list(q.shape)}")
-    if kv_cache.dim() != 3 or kv_cache.shape[-1] != q.shape[-1]:
-        _fail(f"kv_cache must be [num_blocks, block_size, {q.shape[-1]}] to match q, got {list(kv_cache.shape)}")
+    rope = 0 if rope_cache is None else rope_cache.shape[-1]
+    if kv_cache.dim() != 3 or kv_cache.shape[-1] + rope != q.shape[-1]:
+        _fail(
+            f"kv_cache must be [num_blocks, block_size, {q.shape[-1] - rope}] to match q"
+            f"{' and rope_cache' if rope_cache is not None else ''}, got {list(kv_cache.shape)}"
+        )
+    if rope_cache is not None:
+        if rope_cache.dim() != 3 or rope_cache.shape[:2] != kv_cache.shape[:2] or rope_cache.dtype != q.dtype:
+            _fail(
+                f"rope_cache must be {q.dtype}[{kv_cache.shape[0]}, {kv_cache.shape[1]}, rope] like kv_cache, "
+                f"got {rope_cache.dtype}{list(rope_cache.shape)}"
+            )
+        if not rope_cache.is_contiguous():
+            _fail("rope_cache must be contiguous")
+        if new_rows is not None:
+            _fail("new_rows is not supported with a separate rope_cache")
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
         if t.device.type != "cpu":
             _fail(f"{name} must be on the CPU, got {t.device}")
@@ -50,8 +66,8 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
         _fail(f"block_tables must be an integer [{batch}, max_blocks] tensor, got {block_tables.dtype}{list(block_tables.shape)}")
     if seq_lens.dim() != 1 or seq_lens.shape[0] != batch or seq_lens.is_floating_point():
         _fail(f"seq_lens must be an integer [{batch}] tensor, got {seq_lens.dtype}{list(seq_lens.shape)}")
-    if not 0 < kv_lora_rank <= q.shape[-1]:
-        _fail(f"kv_lora_rank must be in (0, {q.shape[-1]}], got {kv_lora_rank}")
+    if not 0 < kv_lora_rank <= kv_cache.shape[-1]:
+        _fail(f"kv_lora_rank must be in (0, {kv_cache.shape[-1]}], got {kv_lora_rank}")
     if softcap < 0:
         _fail(f"softcap must be >= 0 (0 disables it), got {softcap}")
     if (new_rows is None) != (slots is None):
@@ -97,14 +113,18 @@ def latent_decode_attention(
     slots: Optional[Tensor] = None,
     w_vc: Optional[Tensor] = None,
     scale_tensor: Optional[Tensor] = None,
+    rope_cache: Optional[Tensor] = None,
 ) -> Tensor:
-    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor)
+    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
+               rope_cache)
     _check_indices(kv_cache, block_tables, seq_lens, slots)
     if scale_tensor is not None:
         scale = float(scale_tensor)
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     if new_rows is not None:
         rows[slots] = new_rows
+    if rope_cache is not None:
+        rows = torch.cat([rows, rope_cache.view(-1, rope_cache.shape[-1])], dim=-1)
     block_size = kv_cache.shape[1]
     batch, heads = q.shape[0], q.shape[1]
     out_dim = kv_lora_rank if w_vc is None else w_vc.shape[1]
@@ -126,8 +146,9 @@ def latent_decode_attention(
 
 @latent_decode_attention.register_fake
 def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0, new_rows=None, slots=None, w_vc=None,
-      scale_tensor=None):
-    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor)
+      scale_tensor=None, rope_cache=None):
+    check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
+               rope_cache)
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank if w_vc is None else w_vc.shape[1])
 
 
@@ -139,10 +160,16 @@ def latent_decode_attention_dense(
     scale: float,
     softcap: float = 0.0,
     w_vc: Optional[Tensor] = None,
+    scale_tensor: Optional[Tensor] = None,
+    rope: Optional[Tensor] = None,
 ) -> Tensor:
-    """The same attention over a dense cache kv [batch, max_len, kv_lora_rank + rope]: one block per
-    request, viewed as a paged cache without a copy."""
+    """The same attention over a dense cache kv [batch, max_len, kv_lora_rank + rope] (or kv_lora_rank
+    columns, with the k_pe rows in `rope` [batch, max_len, rope]): one block per request, viewed as a
+    paged cache without a copy."""
     if kv.dim() != 3 or kv.shape[0] != q.shape[0]:
-        _fail(f"kv must be [{q.shape[0]}, max_len, {q.shape[-1]}] for the dense form, got {list(kv.shape)}")
+        _fail(f"kv must be [{q.shape[0]}, max_len, columns] for the dense form, got {list(kv.shape)}")
     block_tables = torch.arange(kv.shape[0], device=kv.device).view(-1, 1)
-    return torch.ops.mla.latent_decode_attention(q, kv, block_tables, seq_lens, kv_lora_rank, scale, softcap, w_vc=w_vc)
+    return torch.ops.mla.latent_decode_attention(
+        q, kv, block_tables, seq_lens, kv_lora_rank, scale, softcap,
+        w_vc=w_vc, scale_tensor=scale_tensor, rope_cache=rope,
+    )

@@ -58,6 +58,16 @@ inline void gather_rows(const T* cache, int64_t block_size, int64_t row_stride, 
   }
 }
 
+// The rows of one score tile: key[n] holds K_n (or its first part, when the rope part lives in a
+// cache of its own), rope[n] the rest; *_ahead the rows of the next tile, for the prefetch.
+template <typename T>
+struct KeyTile {
+  const T* const* key;
+  const T* const* rope;
+  const T* const* key_ahead;
+  const T* const* rope_ahead;
+};
+
 #if defined(__AVX512BF16__)
 // Column of o that lane i of a 32-column chunk holds: _mm512_unpack{lo,hi}_epi16 interleave two rows
 // within 128-bit lanes, so the "lo" accumulator (i < 16) gets columns 8q..8q+3 and "hi" 8q+4..8q+7.
@@ -76,17 +86,15 @@ __attribute__((always_inline)) inline __m128 reduce_add_4(__m512 a0, __m512 a1, 
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-// s[h * lds + n] = scale * q[h] . rows[n] over D columns, for MH heads x NR rows.
+// acc[h][n] += q[h, 0:D] . rows[n][0:D] for MH heads x NR rows.
 // PREFETCH: the first head tile to touch a row tile asks for the rows of the next tile (`ahead`), one
 // line per row per k-step: the cache rows are the one stream from memory, and the hardware prefetcher
 // does not run far enough ahead on a few short, scattered rows. The L2 hint measured faster than L1
 // (benchmarks/mla_decode.py: 2.6-2.8 ms against 3.1-3.5 ms at B=4, 22 heads, 4096 rows).
 template <int64_t D, int MH, int NR, bool PREFETCH>
-inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat16* const* rows,
-                         const c10::BFloat16* const* ahead, float scale, float* s, int64_t lds) {
-  __m512 acc[MH][NR];
-  for (int h = 0; h < MH; ++h)
-    for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
+__attribute__((always_inline)) inline void qk_segment_bf16(__m512 (&acc)[MH][NR], const c10::BFloat16* q,
+                                                           int64_t ldq, const c10::BFloat16* const* rows,
+                                                           const c10::BFloat16* const* ahead) {
   auto step = [&](int64_t k, auto load) {
     __m512bh kv[NR];
     for (int n = 0; n < NR; ++n) kv[n] = load(rows[n] + k);
@@ -104,6 +112,17 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const c10::BFloat1
     constexpr __mmask32 mask = (__mmask32(1) << (D % 32)) - 1;  // zero lanes add 0
     step(D - D % 32, [](const c10::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); });
   }
+}
+
+// s[h * lds + n] = scale * q[h] . K_n, K_n = key[n][0:D1] | rope[n][0:D2] (D2 = 0: one row holds all).
+template <int64_t D1, int64_t D2, int MH, int NR, bool PREFETCH>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10::BFloat16>& tile, float scale,
+                         float* s, int64_t lds) {
+  __m512 acc[MH][NR];
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
+  qk_segment_bf16<D1, MH, NR, PREFETCH>(acc, q, ldq, tile.key, tile.key_ahead);
+  if constexpr (D2 > 0) qk_segment_bf16<D2, MH, NR, PREFETCH>(acc, q + D1, ldq, tile.rope, tile.rope_ahead);
   for (int h = 0; h < MH; ++h) {
     if constexpr (NR == 4) {
       _mm_storeu_ps(s + h * lds, _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(acc[h][0], acc[h][1], acc[h][2], acc[h][3])));
@@ -156,12 +175,10 @@ inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count) {
 
 // Portable score tile: widen to fp32 and FMA.
 template <typename T, int MH, int NR>
-inline void qk_tile_fma(const T* q, int64_t ldq, const T* const* rows, int64_t D, float scale, float* s, int64_t lds) {
+inline void qk_segment_fma(at::vec::Vectorized<float> (&acc)[MH][NR], const T* q, int64_t ldq, const T* const* rows,
+                           int64_t D) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  Vec acc[MH][NR];
-  for (int h = 0; h < MH; ++h)
-    for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
   for (int64_t k = 0; k < D; k += W) {
     const int64_t count = std::min<int64_t>(W, D - k);  // a partial load zero-fills
     Vec kv[NR];
@@ -171,6 +188,16 @@ inline void qk_tile_fma(const T* q, int64_t ldq, const T* const* rows, int64_t D
       for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
     }
   }
+}
+
+template <typename T, int64_t D1, int64_t D2, int MH, int NR>
+inline void qk_tile_fma(const T* q, int64_t ldq, const KeyTile<T>& tile, float scale, float* s, int64_t lds) {
+  using Vec = at::vec::Vectorized<float>;
+  Vec acc[MH][NR];
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
+  qk_segment_fma<T, MH, NR>(acc, q, ldq, tile.key, D1);
+  if constexpr (D2 > 0) qk_segment_fma<T, MH, NR>(acc, q + D1, ldq, tile.rope, D2);
   for (int h = 0; h < MH; ++h)
     for (int n = 0; n < NR; ++n)
       s[h * lds + n] = scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[h][n]);
@@ -267,50 +294,78 @@ inline void softmax_step(float* s, int H, int n, float softcap, SoftmaxState& st
   }
 }
 
-// Attention of H query heads (q rows ldq apart, D columns) over rows [j0, j1) of one request, into st
-// (initialised by the caller). V is the first L columns of each row. `zero_row` pads an odd block, so
-// that no row at or past the request's length is ever read.
-template <typename T, typename IndexT, int H, int64_t D, int64_t L>
-inline void attend_split(const T* q, int64_t ldq, const T* cache, int64_t block_size, const IndexT* table, int64_t j0,
-                         int64_t j1, float scale, float softcap, const T* zero_row, SoftmaxState& st) {
+// Row pointers of one block (and of the next, gathered early for the prefetch) in one cache.
+template <typename T, typename IndexT>
+struct BlockRows {
+  const T* cache;
+  int64_t row_stride;
+  const T* rows[kKvBlock + 1];  // this block's rows, then the pad
+  const T* next[kKvBlock];
+
+  void gather(int64_t block_size, const IndexT* table, int64_t j, int n) {
+    gather_rows(cache, block_size, row_stride, table, j, n, next);
+  }
+  void advance(int n, const T* pad) {
+    std::copy(next, next + n, rows);
+    rows[n] = pad;
+  }
+  // The rows after tile n0, for the prefetch (the last real row repeats past the task's end).
+  void ahead(int n0, int n, int n_next, const T** out) const {
+    for (int i = 0; i < kQkRows; ++i) {
+      const int a = n0 + kQkRows + i;
+      out[i] = a < n ? rows[a] : a - n < n_next ? next[a - n] : rows[n - 1];
+    }
+  }
+};
+
+// Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
+// into st (initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when D2 > 0,
+// by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row. `zero_row`
+// pads an odd block, so that no row at or past the request's length is ever read.
+template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L>
+inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* rope_cache, int64_t block_size,
+                         const IndexT* table, int64_t j0, int64_t j1, float scale, float softcap, const T* zero_row,
+                         SoftmaxState& st) {
   constexpr bool kBf16 = use_bf16_kernels<T>(L);
   using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
   alignas(64) float s[H * kKvBlock];
   alignas(64) ProbT p[H * kKvBlock];
   float alpha[H];
-  const T* rows[kKvBlock + 1];  // this block's rows and the pad
-  const T* next[kKvBlock];      // the next block's, gathered early for the prefetch
-  gather_rows(cache, block_size, D, table, j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)), next);
+  BlockRows<T, IndexT> key{key_cache, D1}, rope{rope_cache, D2};
+  auto gather = [&](int64_t j, int n) {
+    key.gather(block_size, table, j, n);
+    if constexpr (D2 > 0) rope.gather(block_size, table, j, n);
+  };
+  gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
   for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kKvBlock, j1 - jb));
-    std::copy(next, next + n, rows);
-    rows[n] = zero_row;
+    key.advance(n, zero_row);
+    if constexpr (D2 > 0) rope.advance(n, zero_row);
     const int n_next = static_cast<int>(std::clamp<int64_t>(j1 - jb - n, 0, kKvBlock));
-    gather_rows(cache, block_size, D, table, jb + n, n_next, next);
+    gather(jb + n, n_next);
 
     // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
     for (int n0 = 0; n0 < n; n0 += kQkRows) {
-      // The rows after this tile, for the prefetch (the last real row repeats past the task's end).
-      const T* ahead[kQkRows];
-      for (int i = 0; i < kQkRows; ++i) {
-        const int a = n0 + kQkRows + i;
-        ahead[i] = a < n ? rows[a] : a - n < n_next ? next[a - n] : rows[n - 1];
-      }
+      const T* key_ahead[kQkRows];
+      const T* rope_ahead[kQkRows];
+      key.ahead(n0, n, n_next, key_ahead);
+      if constexpr (D2 > 0) rope.ahead(n0, n, n_next, rope_ahead);
+      const KeyTile<T> tile{key.rows + n0, rope.rows + n0, key_ahead, rope_ahead};
       for (int h0 = 0; h0 < H; h0 += kQkHeads) {
         dispatch_count<kQkHeads>(std::min(kQkHeads, H - h0), [&]<int MH>() {
           dispatch_count<kQkRows>(std::min(kQkRows, n - n0), [&]<int NR>() {
-            float* tile = s + h0 * kKvBlock + n0;
+            float* out = s + h0 * kKvBlock + n0;
 #if defined(__AVX512BF16__)
             if constexpr (std::is_same_v<T, c10::BFloat16>) {
               if (h0 == 0) {
-                qk_tile_bf16<D, MH, NR, true>(q, ldq, rows + n0, ahead, scale, tile, kKvBlock);
+                qk_tile_bf16<D1, D2, MH, NR, true>(q, ldq, tile, scale, out, kKvBlock);
               } else {
-                qk_tile_bf16<D, MH, NR, false>(q + h0 * ldq, ldq, rows + n0, ahead, scale, tile, kKvBlock);
+                qk_tile_bf16<D1, D2, MH, NR, false>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
               }
               return;
             }
 #endif
-            qk_tile_fma<T, MH, NR>(q + h0 * ldq, ldq, rows + n0, D, scale, tile, kKvBlock);
+            qk_tile_fma<T, D1, D2, MH, NR>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
           });
         });
       }
@@ -326,12 +381,12 @@ inline void attend_split(const T* q, int64_t ldq, const T* cache, int64_t block_
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
           for (int64_t c = 0; c < L; c += kChunk)
-            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, rows, n, c, std::min(kChunk, L - c), alpha + h0,
+            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c), alpha + h0,
                                st.o + h0 * L, L);
         }
       });
