@@ -45,16 +45,11 @@ def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
-def trace_for_stage(stage: str, functionalize: bool = False) -> Callable:
-    """How a search function becomes a pattern graph for `stage`.
-
-    `functionalize`: search functions that write in place (`key[..., :n].copy_(k)`) must be traced
-    functionalized, as the matched graphs are; a plain trace keeps the in-place op and loses the data
-    dependency through it.
-    """
+def trace_for_stage(stage: str) -> Callable:
+    """How a search function becomes a pattern graph for `stage`."""
 
     def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        gm = fwd_only(torch.func.functionalize(fn) if functionalize else fn, *args, **kwargs)
+        gm = fwd_only(fn, *args, **kwargs)
         if stage == "post_grad":
             view_to_reshape(gm)
         _scalar_tensor_to_full(gm)
@@ -76,11 +71,17 @@ def register_fusion(
 ) -> None:
     """Register `search_fn -> replace_fn` in the given MLAPass stages; `check` returns a rejection reason or None.
 
+    `functionalize`: a search function that writes in place (`key[..., :n].copy_(k)`) must be traced
+    functionalized, as the matched graphs are; a plain trace keeps the in-place op and loses the data
+    dependency through it. (Only the search function: the replacement may call ops that mutate.)
+
     `size_agnostic` skips the strict re-trace with the match's real shapes (needed where dynamic
     sizes appear in mixed spellings); `check` must then verify the literals itself.
     """
+    if functionalize:
+        search_fn = functools.wraps(search_fn)(torch.func.functionalize(search_fn))
     for stage in stages:
-        trace = trace_for_stage(stage, functionalize)
+        trace = trace_for_stage(stage)
         if size_agnostic:
             kwargs["search_fn_pattern"] = gen_pattern(
                 search_fn, list(example_inputs), trace, kwargs.get("scalar_workaround")
