@@ -1,13 +1,22 @@
 """mla::latent_decode_attention: the op's reference against per-request SDPA, paging, bounds, bad input."""
 
+import functools
+
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
 
+import transformers
 from torch._inductor.utils import run_and_get_code
 
-from mla_inductor.models import make_block_tables
+import mla_inductor
+
+from mla_inductor.models import build_model, get_config, make_block_tables
+from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
+
+from graph_utils import rewritten
 
 op = torch.ops.mla.latent_decode_attention
 LORA, ROPE = 512, 64
@@ -190,3 +199,133 @@ def test_separate_rope_cache_equals_the_joint_rows():
     torch.testing.assert_close(op(q, latent, block_tables, lens, LORA, 0.05, rope_cache=rope), expected)
     out, _ = run_template(compiled_op(scale=0.05), q, latent, block_tables, lens, rope_cache=rope)
     assert_matches(out, expected.double(), torch.bfloat16)
+
+
+# --- the patterns ----------------------------------------------------------------------------------
+
+
+def serving_decode(q, kv_cache, block_tables, seq_lens, w_vc, scale=0.125, inclusive=False):
+    """Absorbed decode as serving code writes it (models/mla.py); `inclusive` attends one row too many."""
+    kv = kv_cache[block_tables].flatten(1, 2)
+    c, k_pe = kv[..., :LORA_SMALL], kv[..., LORA_SMALL:]
+    scores = torch.bmm(q[..., :LORA_SMALL], c.transpose(1, 2)) + torch.bmm(q[..., LORA_SMALL:], k_pe.transpose(1, 2))
+    scores = scores.float() * scale
+    rows = torch.arange(kv.shape[1])[None, :]
+    valid = rows <= seq_lens[:, None] if inclusive else rows < seq_lens[:, None]
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1).to(c.dtype)
+    o = torch.bmm(probs, c)
+    return torch.bmm(o.transpose(0, 1), w_vc.transpose(1, 2)).transpose(0, 1) * 2
+
+
+LORA_SMALL = 32
+
+
+def serving_inputs(dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    block_tables, num_blocks = make_block_tables(2, 24, 8, seed=0)
+    cache = torch.randn(num_blocks, 8, LORA_SMALL + 16, generator=g).to(dtype)
+    q = torch.randn(2, 3, LORA_SMALL + 16, generator=g).to(dtype)
+    w_vc = torch.randn(3, 8, LORA_SMALL, generator=g).to(dtype)
+    return q, cache, block_tables, torch.tensor([5, 24]), w_vc
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_serving_decode_joint(self):
+        graph = rewritten(serving_decode, *serving_inputs())
+        self.assertExpectedInline(graph, """\
+latent_decode_attention_default = mla.latent_decode_attention(arg2_1, arg0_1, arg1_1, arg3_1, 32, 0.125, 0.0, None, None, arg4_1)
+permute_default = permute(latent_decode_attention_default, [1, 0, 2])
+permute_4 = permute(permute_default, [1, 0, 2])
+mul_1 = mul.Tensor(permute_4, 2)""")
+
+    def test_not_when_the_mask_admits_a_row_past_the_length(self):
+        graph = rewritten(functools.partial(serving_decode, inclusive=True), *serving_inputs())
+        self.assertNotIn("latent_decode_attention", graph)
+
+    def test_not_when_switched_off(self):
+        graph = rewritten(serving_decode, *serving_inputs(), fusions={"mla_decode": False})
+        self.assertNotIn("latent_decode_attention", graph)
+
+
+# --- real models -----------------------------------------------------------------------------------
+
+
+def test_serving_model_decode_fires_per_layer_and_matches_eager():
+    config = get_config("tiny", num_layers=2)
+    model = build_model(config, dtype=torch.bfloat16)
+    block_tables, num_blocks = make_block_tables(3, 40, 16)
+    caches = model.allocate_kv_cache(num_blocks, 16)
+    for c in caches:
+        c.normal_()
+    args = (torch.tensor([5, 7, 9]), block_tables, torch.tensor([17, 33, 1]))
+    with torch.no_grad():
+        expected = model.forward_decode(args[0], [c.clone() for c in caches], *args[1:])
+        actual = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=True)(args[0], caches, *args[1:])
+    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
+
+
+def greedy(model, cache, prompt, steps, step_fn=None):
+    """Greedy decoding after an eager prefill; returns the tokens and each step's logits."""
+    step_fn = step_fn or (lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits)
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens, logits = [token], []
+        for i in range(steps):
+            position = torch.full_like(token, prompt.shape[1] + i)
+            out = step_fn(token, position)
+            token = out[:, -1:].argmax(-1)
+            tokens.append(token)
+            logits.append(out)
+    return torch.cat(tokens, 1), torch.stack(logits)
+
+
+def hf_case(arch, dtype, batch, prompt_len=12, **overrides):
+    config = get_config("tiny", num_layers=2, **overrides)
+    model = build_hf_model(config, arch=arch, dtype=dtype)
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    return config, model, prompt
+
+
+def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
+    config, model, prompt = hf_case("v3", torch.float32, batch=2)
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=48)  # noqa: E731
+    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, steps=16)
+    cache = make_cache()
+    compiled = torch.compile(
+        lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
+    )
+    tokens, logits = greedy(model, cache, prompt, steps=16, step_fn=compiled)
+    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_transformers_v2_dynamic_cache_bf16_fires_in_static_and_dynamic_length_graphs():
+    config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
+    _, expected_logits = greedy(model, transformers.DynamicCache(config=model.config), prompt, steps=4)
+    cache = transformers.DynamicCache(config=model.config)
+    compiled = torch.compile(
+        lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
+    )
+    _, logits = greedy(model, cache, prompt, steps=4, step_fn=compiled)
+    # The first step compiles for its length, the second recompiles with a dynamic one: both rewritten.
+    assert mla_inductor.fusion_counts()["mla_decode"] == 2 * config.num_layers
+    torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
+
+
+def test_transformers_padded_batch_is_left_alone_and_explained():
+    """A left-padded batch's mask is no longer a prefix of the cache: the rewrite must not fire."""
+    _, model, prompt = hf_case("v3", torch.float32, batch=2)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    attention_mask = torch.ones(2, prompt.shape[1] + 1, dtype=torch.long)
+    attention_mask[0, :3] = 0
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=cache, attention_mask=attention_mask[:, :-1])
+        ids, position = torch.tensor([[3], [4]]), torch.full((2, 1), prompt.shape[1])
+        result = mla_inductor.explain(
+            lambda: model(input_ids=ids, past_key_values=cache, position_ids=position, attention_mask=attention_mask),
+            verbose=False,
+        )
+    assert not [e for e in result.fired if e.fusion == "mla_decode"]
+    assert any("not the causal prefix" in (e.reason or "") for e in result.rejected)
