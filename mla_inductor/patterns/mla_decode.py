@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
-from ..ops.mla_decode import latent_decode_attention_dense
+from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import register_fusion
 
 FUSION = "mla_decode"
@@ -160,8 +160,12 @@ def check_paged(match: Match) -> Optional[str]:
         return f"q, kv_cache and w_vc have dtypes {q.dtype}, {cache.dtype}, {w_vc.dtype}; the op takes one"
     if tables.is_floating_point() or lens.is_floating_point():
         return "block_tables and seq_lens must be integer tensors"
-    if w_vc.dim() != 3 or w_vc.shape[0] != q.shape[1] or not isinstance(w_vc.shape[2], int):
-        return f"w_vc {list(w_vc.shape)} is not [heads, v_head_dim, kv_lora_rank] for {q.shape[1]} heads"
+    if w_vc.dim() != 3 or not isinstance(w_vc.shape[2], int):
+        return f"w_vc {list(w_vc.shape)} is not [heads, v_head_dim, kv_lora_rank]"
+    try:
+        check_args(q, cache, tables, lens, w_vc.shape[2], 0.0, None, None, w_vc)
+    except ValueError as error:
+        return str(error).removeprefix("mla::latent_decode_attention: ")
     return _paged_literal_mismatch(match, w_vc.shape[2])
 
 
@@ -222,6 +226,8 @@ def check_hf(match: Match) -> Optional[str]:
         return "the latent cache has a head dim other than 1"
     if len({c_kv.dtype, k_pe.dtype, w.dtype, q_nope.dtype, q_pe.dtype}) != 1:
         return "caches, weight and queries differ in dtype"
+    if not (c_kv.is_contiguous() and k_pe.is_contiguous()):
+        return "the latent caches are not contiguous: the op reads them as rows in place"
     heads, nope = q_nope.shape[1], q_nope.shape[-1]
     if w.dim() != 2 or w.shape[1] != c_kv.shape[-1] or w.shape[0] % heads != 0 or w.shape[0] // heads <= nope:
         return f"kv_b_proj weight {list(w.shape)} does not fit {heads} heads of the latent"

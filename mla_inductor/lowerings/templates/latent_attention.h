@@ -420,13 +420,19 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
   float denominator = 0.f;
   for (int64_t sp = 0; sp < splits; ++sp)
     denominator += std::exp(tasks[sp * kTask + h] - m_max) * tasks[sp * kTask + H + h];
+  using Vec = at::vec::Vectorized<float>;
+  alignas(64) float merged[L] = {};
   for (int64_t sp = 0; sp < splits; ++sp) {
     const float* task = tasks + sp * kTask;
     if (task[H + h] == 0.f) continue;
-    const float weight = std::exp(task[h] - m_max) / denominator;
+    const Vec weight(std::exp(task[h] - m_max) / denominator);
     const float* o = task + 2 * H + h * L;
-    for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] += weight * o[i];
+    for (int64_t i = 0; i < L; i += Vec::size()) {
+      const int64_t count = std::min<int64_t>(Vec::size(), L - i);
+      at::vec::fmadd(weight, Vec::loadu(o + i, count), Vec::loadu(merged + i, count)).store(merged + i, count);
+    }
   }
+  for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] = merged[i];
 }
 
 // a . b over n columns, a in fp32 and b widened from T (the W_vc de-absorption of one output column).
