@@ -436,17 +436,36 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
   for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] = merged[i];
 }
 
-// a . b over n columns, a in fp32 and b widened from T (the W_vc de-absorption of one output column).
-template <typename T>
-inline float dot_widened(const float* a, const T* b, int64_t n) {
+// out[b * ld_out + n] = latents[b] . w[n] for the requests of one head (the W_vc de-absorption),
+// rounded once. A tile of 4 requests x 2 rows of w keeps 8 independent accumulators (no FMA latency
+// chain), and each w row is widened once per tile.
+template <typename T, int64_t L>
+inline void deabsorb_head(const float* latents, int64_t batch, const T* w, int64_t ldw, int64_t n_out, T* out,
+                          int64_t ld_out) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  Vec acc(0.f);
-  for (int64_t i = 0; i < n; i += W) {
-    const int64_t count = std::min<int64_t>(W, n - i);
-    acc = at::vec::fmadd(Vec::loadu(a + i, count), load_floats(b + i, count), acc);
+  constexpr int kRequests = 4, kRows = 2;
+  auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
+  for (int64_t b0 = 0; b0 < batch; b0 += kRequests) {
+    const int nb = static_cast<int>(std::min<int64_t>(kRequests, batch - b0));
+    for (int64_t n0 = 0; n0 < n_out; n0 += kRows) {
+      const int nr = static_cast<int>(std::min<int64_t>(kRows, n_out - n0));
+      Vec acc[kRequests][kRows];
+      for (auto& row : acc)
+        for (auto& a : row) a = Vec(0.f);
+      for (int64_t i = 0; i < L; i += W) {
+        const int64_t count = std::min<int64_t>(W, L - i);
+        Vec wv[kRows];
+        for (int r = 0; r < nr; ++r) wv[r] = load_floats(w + (n0 + r) * ldw + i, count);
+        for (int k = 0; k < nb; ++k) {
+          const Vec x = Vec::loadu(latents + (b0 + k) * L + i, count);
+          for (int r = 0; r < nr; ++r) acc[k][r] = at::vec::fmadd(x, wv[r], acc[k][r]);
+        }
+      }
+      for (int k = 0; k < nb; ++k)
+        for (int r = 0; r < nr; ++r) out[(b0 + k) * ld_out + n0 + r] = static_cast<T>(sum(acc[k][r]));
+    }
   }
-  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
 }
 
 }  // namespace mla_inductor
