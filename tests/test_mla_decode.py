@@ -301,6 +301,19 @@ def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_transformers_v2_static_cache_bf16_batch_1_logits_within_tolerance():
+    config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=40)  # noqa: E731
+    _, expected_logits = greedy(model, make_cache(), prompt, steps=4)
+    cache = make_cache()
+    compiled = torch.compile(
+        lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
+    )
+    _, logits = greedy(model, cache, prompt, steps=4, step_fn=compiled)
+    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
+
+
 def test_transformers_v2_dynamic_cache_bf16_fires_in_static_and_dynamic_length_graphs():
     config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
     _, expected_logits = greedy(model, transformers.DynamicCache(config=model.config), prompt, steps=4)
