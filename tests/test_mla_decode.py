@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import transformers
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
@@ -180,6 +181,21 @@ def test_template_de_absorbs_writes_the_new_row_and_caps():
                           slots=slots, w_vc=w_vc)
     torch.testing.assert_close(cache, expected_cache, equal_nan=True)
     assert_matches(out, expected.double(), torch.bfloat16)
+
+
+def test_template_serves_dynamic_shapes_by_specializing_heads_and_widths():
+    """Under dynamic=True heads and row widths are symbols; the template guards on them and serves."""
+    fn = torch.compile(lambda q, cache, tables, lens: op(q, cache, tables, lens, LORA, 0.05), backend="mla_inductor",
+                       dynamic=True)
+    q, cache, block_tables, lens, dense = paged_case(3, 5, [7, 90, 33], 16, torch.bfloat16)  # no two sizes equal: duck sizing would tie them
+    out, _ = run_template(fn, q, cache, block_tables, lens)
+    assert_matches(out, sdpa_reference(q, dense, lens, 0.05), torch.bfloat16)
+    # Another batch, block size and cache size: the same compiled code.
+    graphs = counters["stats"]["unique_graphs"]
+    q, cache, block_tables, lens, dense = paged_case(2, 5, [40, 9], 4, torch.bfloat16)
+    out = fn(q, cache, block_tables, lens)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert_matches(out, sdpa_reference(q, dense, lens, 0.05), torch.bfloat16)
 
 
 def test_template_rejects_bad_lengths_and_blocks():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import sympy
+from typing import Optional
+
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
@@ -10,6 +11,7 @@ from torch._inductor.codegen.cpp import get_export_declaration
 from torch._inductor.codegen.cpp_template import CppTemplate
 from torch._inductor.select_algorithm import autotune_select_algorithm
 from torch._inductor.utils import parallel_num_threads
+from torch._inductor.virtualized import V
 
 from .. import config as mla_config
 from . import template_source
@@ -20,30 +22,27 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class LatentDecodeAttentionTemplate(CppTemplate):
-    def __init__(self, inputs: dict, layout: ir.Layout, kv_lora_rank: int, scale: float, softcap: float) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float, softcap: float) -> None:
         self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
         super().__init__(
             "mla_latent_decode_attention", list(self.present_inputs.values()), layout, parallel_num_threads()
         )
         self.inputs = inputs
-        self.kv_lora_rank, self.scale, self.softcap = kv_lora_rank, scale, softcap
+        self.dims = dims  # the compile-time sizes: H, D1, D2, L, OUT_DIM
+        self.scale, self.softcap = scale, softcap
 
     def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
                epilogue_nodes=None, **kwargs) -> str:
         assert not epilogue_nodes, "epilogue fusion is disabled for this template"
         out = template_buffer_node if template_buffer_node is not None else self.output_node
-        q, kv, rope, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "ROPE", "BT", "SL", "WVC"))
+        q, kv, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC"))
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"OUT": out})  # before any size
         options = dict(
             template=self,
             kernel=kernel,
             signature=signature,
             OUT=out,
-            H=kernel.size(q, 1),
-            D1=kernel.size(kv, 2),
-            D2=kernel.size(rope, 2) if rope is not None else 0,
-            L=self.kv_lora_rank,
-            OUT_DIM=kernel.size(out, 2),
+            **self.dims,
             BLOCK_SIZE=kernel.size(kv, 1),
             BATCH=kernel.size(q, 0),
             NUM_BLOCKS=kernel.size(kv, 0),
@@ -64,22 +63,29 @@ class LatentDecodeAttentionTemplate(CppTemplate):
         return self._template_from_string(template_source("latent_decode_attention.cpp.j2")).render(**options)
 
 
-def _static(*sizes) -> bool:
-    return all(isinstance(s, (int, sympy.Integer)) for s in sizes)
+def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[dict]:
+    """Heads and row widths shape the kernel's tiles and scratch, so they must be compile-time
+    constants. Under dynamic=True they are symbols: specialize on them (a guard; they do not change
+    between decode steps). None if that is impossible (unbacked sizes)."""
+    sizes = dict(
+        H=q.get_size()[1],
+        D1=kv_cache.get_size()[2],
+        D2=rope_cache.get_size()[2] if rope_cache is not None else 0,
+        L=kv_lora_rank,
+        OUT_DIM=w_vc.get_size()[1] if w_vc is not None else kv_lora_rank,
+    )
+    try:
+        return {name: V.graph.sizevars.guard_int(size) for name, size in sizes.items()}
+    except Exception:  # noqa: BLE001 -- unbacked or unhinted: the extern reference serves
+        return None
 
 
-def _template_can_serve(q, kv_cache, block_tables, seq_lens, w_vc) -> bool:
+def _template_can_serve(q, kv_cache, block_tables, seq_lens) -> bool:
     if not mla_config.active().cpp_templates or q.get_device().type != "cpu":
         return False
     if q.get_dtype() not in SUPPORTED_DTYPES or kv_cache.get_dtype() != q.get_dtype():
         return False
-    if block_tables.get_dtype() not in (torch.int32, torch.int64) or seq_lens.get_dtype() not in (
-        torch.int32,
-        torch.int64,
-    ):
-        return False
-    # Heads and row width shape the kernel's tiles and scratch; they must be compile-time.
-    return _static(*q.get_size()[1:]) and (w_vc is None or _static(*w_vc.get_size()[1:]))
+    return block_tables.get_dtype() in (torch.int32, torch.int64) and seq_lens.get_dtype() in (torch.int32, torch.int64)
 
 
 def _write_new_rows(kv_cache, new_rows, slots):
@@ -96,7 +102,10 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
                                   new_rows=None, slots=None, w_vc=None, scale_tensor=None, rope_cache=None):
     args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor,
             rope_cache)
-    if not _template_can_serve(q, kv_cache, block_tables, seq_lens, w_vc):
+    dims = _template_can_serve(q, kv_cache, block_tables, seq_lens) and _compile_time_dims(
+        q, kv_cache, rope_cache, w_vc, kv_lora_rank
+    )
+    if not dims:
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
     if new_rows is not None:
         _write_new_rows(kv_cache, new_rows, slots)
@@ -116,10 +125,8 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
         "WVC": realize(w_vc),
         "SCALE": realize(scale_tensor),
     }
-    batch, heads, _ = q.get_size()
-    out_dim = kv_lora_rank if w_vc is None else w_vc.get_size()[1]
-    layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [batch, heads, out_dim])
-    template = LatentDecodeAttentionTemplate(inputs, layout, kv_lora_rank, scale, softcap)
+    layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [q.get_size()[0], dims["H"], dims["OUT_DIM"]])
+    template = LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap)
     choices = []
     template.maybe_append_choice(choices)
     out, _ = autotune_select_algorithm("mla_latent_decode_attention", choices, template.input_nodes, layout)
