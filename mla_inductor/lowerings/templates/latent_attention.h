@@ -456,7 +456,11 @@ inline void deabsorb_head(const float* latents, int64_t batch, const T* w, int64
       for (int64_t i = 0; i < L; i += W) {
         const int64_t count = std::min<int64_t>(W, L - i);
         Vec wv[kRows];
-        for (int r = 0; r < nr; ++r) wv[r] = load_floats(w + (n0 + r) * ldw + i, count);
+        for (int r = 0; r < nr; ++r) {
+          // W_vc comes from memory once per head: ask for the next tile's rows while these are in use.
+          if (n0 + kRows + r < n_out) __builtin_prefetch(w + (n0 + kRows + r) * ldw + i);
+          wv[r] = load_floats(w + (n0 + r) * ldw + i, count);
+        }
         for (int k = 0; k < nb; ++k) {
           const Vec x = Vec::loadu(latents + (b0 + k) * L + i, count);
           for (int r = 0; r < nr; ++r) acc[k][r] = at::vec::fmadd(x, wv[r], acc[k][r]);
