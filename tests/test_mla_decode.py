@@ -1,20 +1,19 @@
-"""mla::latent_decode_attention: the op's reference against per-request SDPA, paging, bounds, bad input."""
+"""mla_decode: the op against per-request SDPA, its C++ template, the patterns (where they fire and
+where not), real models."""
 
 import functools
 
 import expecttest
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
-
 import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-
 from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
