@@ -352,15 +352,40 @@ def hf_case(arch, dtype, batch, prompt_len=12, **overrides):
     return config, model, prompt
 
 
-def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
-    config, model, prompt = hf_case("v3", torch.float32, batch=2)
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=48)  # noqa: E731
-    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, steps=16)
+def eager_and_compiled(model, prompt, make_cache, steps):
+    """Greedy decoding in eager and with mla_inductor, each from its own fresh cache."""
+    torch._dynamo.reset()  # the step below is one code object for all tests: no shapes carried over
+    expected = greedy(model, make_cache(), prompt, steps)
     cache = make_cache()
     compiled = torch.compile(
         lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
     )
-    tokens, logits = greedy(model, cache, prompt, steps=16, step_fn=compiled)
+    return expected, greedy(model, cache, prompt, steps, step_fn=compiled)
+
+
+def test_transformers_static_cache_still_fires_once_shapes_turn_dynamic():
+    """A compiled step that sees a second batch size recompiles with dynamic shapes (automatic dynamic):
+    the StaticCache pattern must fire there too."""
+    config, model, prompt = hf_case("v3", torch.float32, batch=2)
+    torch._dynamo.reset()
+    state = {}
+    compiled = torch.compile(
+        lambda ids, pos: model(input_ids=ids, past_key_values=state["cache"], position_ids=pos).logits,
+        backend="mla_inductor",
+    )
+    for batch in (2, 3):
+        prompt = torch.randint(0, config.vocab_size, (batch, 12), generator=torch.Generator().manual_seed(batch))
+        _, expected = greedy(model, transformers.StaticCache(config=model.config, max_cache_len=32), prompt, steps=2)
+        state["cache"] = transformers.StaticCache(config=model.config, max_cache_len=32)
+        _, logits = greedy(model, state["cache"], prompt, steps=2, step_fn=compiled)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert mla_inductor.fusion_counts()["mla_decode"] == 2 * config.num_layers  # the static and the dynamic graph
+
+
+def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
+    config, model, prompt = hf_case("v3", torch.float32, batch=2)
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=48)  # noqa: E731
+    (expected_tokens, expected_logits), (tokens, logits) = eager_and_compiled(model, prompt, make_cache, steps=16)
     assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
@@ -369,24 +394,15 @@ def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
 def test_transformers_v2_static_cache_bf16_batch_1_logits_within_tolerance():
     config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=40)  # noqa: E731
-    _, expected_logits = greedy(model, make_cache(), prompt, steps=4)
-    cache = make_cache()
-    compiled = torch.compile(
-        lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
-    )
-    _, logits = greedy(model, cache, prompt, steps=4, step_fn=compiled)
+    (_, expected_logits), (_, logits) = eager_and_compiled(model, prompt, make_cache, steps=4)
     assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
 
 
 def test_transformers_v2_dynamic_cache_bf16_fires_in_static_and_dynamic_length_graphs():
     config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
-    _, expected_logits = greedy(model, transformers.DynamicCache(config=model.config), prompt, steps=4)
-    cache = transformers.DynamicCache(config=model.config)
-    compiled = torch.compile(
-        lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits, backend="mla_inductor"
-    )
-    _, logits = greedy(model, cache, prompt, steps=4, step_fn=compiled)
+    make_cache = lambda: transformers.DynamicCache(config=model.config)  # noqa: E731
+    (_, expected_logits), (_, logits) = eager_and_compiled(model, prompt, make_cache, steps=4)
     # The first step compiles for its length, the second recompiles with a dynamic one: both rewritten.
     assert mla_inductor.fusion_counts()["mla_decode"] == 2 * config.num_layers
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)

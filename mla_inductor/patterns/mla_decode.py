@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import register_fusion
@@ -185,7 +186,8 @@ def _causal_prefix_mask(mask: torch.fx.Node, rows: int) -> Optional[str]:
         kv_idx = kv_idx.args[0]
     if not isinstance(kv_idx, torch.fx.Node) or kv_idx.target != torch.ops.prims.iota.default:
         return "the mask's key index is not arange(rows)"
-    if kv_idx.args[0] != rows or (kv_idx.kwargs.get("start"), kv_idx.kwargs.get("step")) != (0, 1):
+    length = kv_idx.meta["val"].shape[0]  # a SymInt when the cache length is dynamic
+    if not statically_known_true(length == rows) or (kv_idx.kwargs.get("start"), kv_idx.kwargs.get("step")) != (0, 1):
         return f"the mask's key index is not arange({rows})"
     return None
 
@@ -231,8 +233,9 @@ def check_hf(match: Match) -> Optional[str]:
     heads, nope = q_nope.shape[1], q_nope.shape[-1]
     if w.dim() != 2 or w.shape[1] != c_kv.shape[-1] or w.shape[0] % heads != 0 or w.shape[0] // heads <= nope:
         return f"kv_b_proj weight {list(w.shape)} does not fit {heads} heads of the latent"
-    if "mask" not in kw:
-        return _hf_literal_mismatch(match, nope, w.shape[0] // heads - nope, heads)
+    mismatch = _hf_literal_mismatch(match, nope, w.shape[0] // heads - nope, heads)
+    if mismatch or "mask" not in kw:
+        return mismatch
     mask = kw["mask"]
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
         return f"mask is {mask.dtype}{list(mask.shape)}, expected a bool [batch, 1, 1, rows] mask"
@@ -291,9 +294,12 @@ def register() -> None:
             check_hf,
             scalar_workaround={"sqrt_scale": _SQRT_SCALE},
             functionalize=True,  # the key is assembled in place
+            # Sizes turn dynamic as soon as a compiled step sees a second batch or cache size (automatic
+            # dynamic shapes) and then appear in mixed spellings a strict re-trace cannot reproduce;
+            # check_hf compares the literals instead.
+            size_agnostic=True,
         )
-        # DynamicCache: no mask, and after the first steps a dynamic row count, whose sizes appear in
-        # mixed spellings a strict re-trace cannot reproduce; check_hf compares the literals instead.
+        # DynamicCache: no mask, and after the first steps a dynamic row count.
         register_fusion(
             FUSION,
             hf_decode_unmasked,
