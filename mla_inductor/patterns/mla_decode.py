@@ -27,8 +27,8 @@ from . import register_fusion
 FUSION = "mla_decode"
 # Magic values the traced patterns turn back into arguments (distinct from every size and literal).
 _SCALE = 0.0625
-# transformers' math SDPA multiplies q and k^T by sqrt(scale) each; 0.3125^2 is exact in binary, so the
-# strict re-trace reproduces the graph's literal from the captured sqrt exactly.
+# transformers' math SDPA multiplies q and k^T by sqrt(scale) each, so the scale is matched as that
+# square root (both multiplications must bind the same value) and squared in the replacement.
 _SQRT_SCALE = 0.3125
 
 
