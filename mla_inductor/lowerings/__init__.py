@@ -12,6 +12,13 @@ import pathlib
 
 import torch._inductor.lowering  # noqa: F401  (first: see above)
 
+from typing import Optional
+
+from torch._inductor import ir
+from torch._inductor.codegen.cpp import get_export_declaration
+from torch._inductor.codegen.cpp_template import CppTemplate
+from torch._inductor.utils import parallel_num_threads
+
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 
 
@@ -19,6 +26,36 @@ TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 def template_source(name: str) -> str:
     """Text of a file in templates/: a Jinja kernel template or a shared C++ header."""
     return (TEMPLATE_DIR / name).read_text()
+
+
+def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
+    """A lowering argument as a template input: a buffer, dense in its last dim (or wholly contiguous)."""
+    if t is None:
+        return None
+    t = ir.ExternKernel.realize_input(t)
+    return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
+
+
+class FusedOpTemplate(CppTemplate):
+    """A C++ template over named inputs, some of them absent: absent ones stay in `inputs` as None (the
+    Jinja template branches on them), the kernel's arguments are the present ones, in this order."""
+
+    def __init__(self, name: str, inputs: dict, layout: ir.Layout) -> None:
+        self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
+        super().__init__(name, list(self.present_inputs.values()), layout, parallel_num_threads())
+        self.inputs = inputs
+
+    def render_source(self, template_file: str, headers: tuple[str, ...], **options) -> str:
+        """Render `template_file` with the shared C++ `headers` pasted in front as `micro_kernels`.
+        The caller must have run `kernel.def_kernel` before naming any size (see docs/inductor_notes.md)."""
+        return self._template_from_string(template_source(template_file)).render(
+            template=self,
+            num_threads=self.num_threads,
+            export_declaration=get_export_declaration(),
+            micro_kernels="\n".join(template_source(h) for h in headers),
+            **self.inputs,
+            **options,
+        )
 
 
 from . import mla_decode, qkv_a  # noqa: E402,F401

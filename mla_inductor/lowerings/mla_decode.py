@@ -7,27 +7,20 @@ from typing import Optional
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.codegen.cpp import get_export_declaration
-from torch._inductor.codegen.cpp_template import CppTemplate
 from torch._inductor.select_algorithm import autotune_select_algorithm
-from torch._inductor.utils import parallel_num_threads
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import template_source
+from . import FusedOpTemplate, realize_input
 
 OP = torch.ops.mla.latent_decode_attention.default
 aten = torch.ops.aten
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-class LatentDecodeAttentionTemplate(CppTemplate):
+class LatentDecodeAttentionTemplate(FusedOpTemplate):
     def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float, softcap: float) -> None:
-        self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
-        super().__init__(
-            "mla_latent_decode_attention", list(self.present_inputs.values()), layout, parallel_num_threads()
-        )
-        self.inputs = inputs
+        super().__init__("mla_latent_decode_attention", inputs, layout)
         self.dims = dims  # the compile-time sizes: H, D1, D2, L, OUT_DIM
         self.scale, self.softcap = scale, softcap
 
@@ -37,8 +30,9 @@ class LatentDecodeAttentionTemplate(CppTemplate):
         out = template_buffer_node if template_buffer_node is not None else self.output_node
         q, kv, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC"))
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"OUT": out})  # before any size
-        options = dict(
-            template=self,
+        return self.render_source(
+            "latent_decode_attention.cpp.j2",
+            ("widen.h", "latent_attention.h"),
             kernel=kernel,
             signature=signature,
             OUT=out,
@@ -55,12 +49,7 @@ class LatentDecodeAttentionTemplate(CppTemplate):
             w_stride_n=kernel.stride(w_vc, 1) if w_vc is not None else None,
             scale=f"{float(self.scale)!r}f",
             softcap=f"{float(self.softcap)!r}f",
-            num_threads=self.num_threads,
-            export_declaration=get_export_declaration(),
-            micro_kernels=template_source("latent_attention.h"),
-            **self.inputs,
         )
-        return self._template_from_string(template_source("latent_decode_attention.cpp.j2")).render(**options)
 
 
 def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[dict]:
@@ -110,20 +99,14 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
     if new_rows is not None:
         _write_new_rows(kv_cache, new_rows, slots)
 
-    def realize(t, contiguous=False):
-        if t is None:
-            return None
-        t = ir.ExternKernel.realize_input(t)
-        return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
-
     inputs = {
-        "Q": realize(q),
-        "KV": realize(kv_cache, contiguous=True),
-        "ROPE": realize(rope_cache, contiguous=True),
-        "BT": realize(block_tables),
-        "SL": realize(seq_lens),
-        "WVC": realize(w_vc),
-        "SCALE": realize(scale_tensor),
+        "Q": realize_input(q),
+        "KV": realize_input(kv_cache, contiguous=True),
+        "ROPE": realize_input(rope_cache, contiguous=True),
+        "BT": realize_input(block_tables),
+        "SL": realize_input(seq_lens),
+        "WVC": realize_input(w_vc),
+        "SCALE": realize_input(scale_tensor),
     }
     layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [q.get_size()[0], dims["H"], dims["OUT_DIM"]])
     template = LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap)

@@ -6,14 +6,10 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.codegen.cpp import get_export_declaration
-from torch._inductor.codegen.cpp_template import CppTemplate
 from torch._inductor.select_algorithm import autotune_select_algorithm
-from torch._inductor.utils import parallel_num_threads
-from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import template_source
+from . import FusedOpTemplate, realize_input
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -30,13 +26,9 @@ def template_wins(rows: int) -> bool:
     return rows <= limit
 
 
-class QkvAProjTemplate(CppTemplate):
+class QkvAProjTemplate(FusedOpTemplate):
     def __init__(self, inputs: dict, layout: ir.Layout, q_eps: float, kv_eps: float) -> None:
-        # Optional inputs stay in `inputs` as None (the C++ template branches on them); the kernel's
-        # arguments are the present ones, in this order.
-        self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
-        super().__init__("mla_qkv_a_proj", list(self.present_inputs.values()), layout, parallel_num_threads())
-        self.inputs = inputs
+        super().__init__("mla_qkv_a_proj", inputs, layout)
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
     def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
@@ -49,8 +41,9 @@ class QkvAProjTemplate(CppTemplate):
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
         x_size = x.get_size()
         rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
-        options = dict(
-            template=self,
+        return self.render_source(
+            "qkv_a_proj.cpp.j2",
+            ("widen.h", "nt_dot.h"),
             kernel=kernel,
             signature=signature,
             Y=y,
@@ -66,12 +59,7 @@ class QkvAProjTemplate(CppTemplate):
             y_origin=[0] * len(y.get_size()),
             q_eps=f"{self.q_eps!r}f",
             kv_eps=f"{self.kv_eps!r}f",
-            num_threads=self.num_threads,
-            export_declaration=get_export_declaration(),
-            micro_kernels=template_source("nt_dot.h"),
-            **self.inputs,
         )
-        return self._template_from_string(template_source("qkv_a_proj.cpp.j2")).render(**options)
 
 
 def _template_can_serve(x, weights) -> bool:
@@ -90,23 +78,17 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
     if not _template_can_serve(x, (q_weight, kv_weight)):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
 
-    def realize(t, contiguous=False):
-        if t is None:
-            return None
-        t = ir.ExternKernel.realize_input(t)
-        return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
-
-    x = realize(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
+    x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
     inputs = {
         "X": x,
-        "WQ": realize(q_weight),
-        "WKV": realize(kv_weight),
-        "QW": realize(q_norm_weight, True),
-        "KVW": realize(kv_norm_weight, True),
-        "QB": realize(q_bias, True),
-        "KVB": realize(kv_bias, True),
-        "Q_EPS": realize(q_eps_tensor, True),
-        "KV_EPS": realize(kv_eps_tensor, True),
+        "WQ": realize_input(q_weight),
+        "WKV": realize_input(kv_weight),
+        "QW": realize_input(q_norm_weight, True),
+        "KVW": realize_input(kv_norm_weight, True),
+        "QB": realize_input(q_bias, True),
+        "KVB": realize_input(kv_bias, True),
+        "Q_EPS": realize_input(q_eps_tensor, True),
+        "KV_EPS": realize_input(kv_eps_tensor, True),
     }
     nq, nkv = inputs["WQ"].get_size()[0], inputs["WKV"].get_size()[0]
     lead = list(x.get_size()[:-1])

@@ -123,8 +123,7 @@ def latent_decode_attention(
     rows = kv_cache.view(-1, kv_cache.shape[-1])
     if new_rows is not None:
         rows[slots] = new_rows
-    if rope_cache is not None:
-        rows = torch.cat([rows, rope_cache.view(-1, rope_cache.shape[-1])], dim=-1)
+    rope_rows = None if rope_cache is None else rope_cache.view(-1, rope_cache.shape[-1])
     block_size = kv_cache.shape[1]
     batch, heads = q.shape[0], q.shape[1]
     out_dim = kv_lora_rank if w_vc is None else w_vc.shape[1]
@@ -133,7 +132,9 @@ def latent_decode_attention(
         if length == 0:
             continue
         positions = torch.arange(length)
-        keys = rows[block_tables[b, positions // block_size].long() * block_size + positions % block_size].float()
+        index = block_tables[b, positions // block_size].long() * block_size + positions % block_size
+        keys = rows[index] if rope_rows is None else torch.cat([rows[index], rope_rows[index]], dim=-1)
+        keys = keys.float()  # only this request's rows: never a copy of the whole cache
         scores = (q[b].float() @ keys.T) * scale  # [heads, length]
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)

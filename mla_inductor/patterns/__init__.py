@@ -22,6 +22,11 @@ from ..passes import STAGES, pattern_pass
 FUSION_MODULES: tuple[str, ...] = ("qkv_a", "mla_decode")
 
 
+def node_value(arg):
+    """A matched argument's value: the example (fake) tensor behind a graph node, or the literal."""
+    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
+
+
 def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
     """`scalar_tensor(v)` -> `full([], v)`: the joint graph's constant folding has already done this to
     the graphs we match (a masked_fill's fill value, for one), the plain trace of a pattern has not."""

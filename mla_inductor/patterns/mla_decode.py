@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
-from . import register_fusion
+from . import node_value, register_fusion
 
 FUSION = "mla_decode"
 # Magic values the traced patterns turn back into arguments (distinct from every size and literal).
@@ -30,6 +30,7 @@ _SCALE = 0.0625
 # transformers' math SDPA multiplies q and k^T by sqrt(scale) each, so the scale is matched as that
 # square root (both multiplications must bind the same value) and squared in the replacement.
 _SQRT_SCALE = 0.3125
+_END = 9223372036854775807  # an open slice end, as traced
 
 
 def _upcast(x):
@@ -120,10 +121,6 @@ def hf_decode_unmasked_replacement(c_kv, k_pe, kv_b_weight, q_nope, q_pe, sqrt_s
 # --- preconditions --------------------------------------------------------------------------------
 
 
-def _value(arg):
-    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
-
-
 def _paged_literal_mismatch(match: Match, kv_lora_rank: int) -> Optional[str]:
     """The literals the size-agnostic pattern does not compare: where q and the rows are cut into
     latent and rope parts, which dims are transposed, reduced and unsqueezed."""
@@ -151,11 +148,8 @@ def _paged_literal_mismatch(match: Match, kv_lora_rank: int) -> Optional[str]:
     return None
 
 
-_END = 9223372036854775807  # an open slice end, as traced
-
-
 def check_paged(match: Match) -> Optional[str]:
-    kw = {name: _value(arg) for name, arg in match.kwargs.items()}
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     q, cache, tables, lens, w_vc = (kw[k] for k in ("q", "kv_cache", "block_tables", "seq_lens", "w_vc"))
     if cache.dtype != q.dtype or w_vc.dtype != q.dtype:
         return f"q, kv_cache and w_vc have dtypes {q.dtype}, {cache.dtype}, {w_vc.dtype}; the op takes one"
@@ -220,7 +214,7 @@ def _hf_literal_mismatch(match: Match, nope: int, v_head_dim: int, heads: int) -
 
 
 def check_hf(match: Match) -> Optional[str]:
-    kw = {name: _value(arg) for name, arg in match.kwargs.items()}
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     c_kv, k_pe, w, q_nope, q_pe = (kw[k] for k in ("c_kv", "k_pe", "kv_b_weight", "q_nope", "q_pe"))
     if q_nope.shape[2] != 1:
         return f"{q_nope.shape[2]} query rows: absorbing pays for decode, not for prefill"

@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.qkv_a import template_wins
 from ..ops.qkv_a import check_args
-from . import register_fusion
+from . import node_value, register_fusion
 
 FUSION = "qkv_a_proj"
 # Distinct magic eps values: each literal in a traced pattern becomes the argument it stands for.
@@ -124,10 +124,6 @@ def _hint(size) -> int:
     return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
 
 
-def _value(arg):
-    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
-
-
 def _literal_mismatch(match: Match, x, kw) -> Optional[str]:
     """The literals a size-agnostic pattern does not compare: exponents, dims, split sizes, casts.
 
@@ -166,7 +162,7 @@ def _literal_mismatch(match: Match, x, kw) -> Optional[str]:
 
 def check(match: Match) -> Optional[str]:
     """None if the op can take the match, else the failing precondition."""
-    kw = {name: _value(arg) for name, arg in match.kwargs.items()}
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     if "weight" in kw:
         q_rows = kw["q_norm_weight"].shape[0]
         kw["q_weight"], kw["kv_weight"] = kw["weight"][:q_rows], kw["weight"][q_rows:]

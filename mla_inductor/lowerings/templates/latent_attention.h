@@ -164,16 +164,6 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
 }
 #endif
 
-template <typename T>
-inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count) {
-  using Vec = at::vec::Vectorized<float>;
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p, count);
-  } else {
-    return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, count));
-  }
-}
-
 // Portable score tile: widen to fp32 and FMA.
 template <typename T, int MH, int NR>
 inline void qk_segment_fma(at::vec::Vectorized<float> (&acc)[MH][NR], const T* q, int64_t ldq, const T* const* rows,
@@ -414,10 +404,12 @@ constexpr int64_t kTaskFloats = H * (L + 2);
 template <typename T, int H, int64_t L>
 inline void merge_splits(const float* tasks, int64_t splits, int h, float* latent) {
   constexpr int64_t kTask = kTaskFloats<H, L>;
-  std::fill(latent, latent + L, 0.f);
   float m_max = -std::numeric_limits<float>::infinity();
   for (int64_t sp = 0; sp < splits; ++sp) m_max = std::max(m_max, tasks[sp * kTask + h]);
-  if (m_max == -std::numeric_limits<float>::infinity()) return;
+  if (m_max == -std::numeric_limits<float>::infinity()) {
+    std::fill(latent, latent + L, 0.f);
+    return;
+  }
   float denominator = 0.f;
   for (int64_t sp = 0; sp < splits; ++sp)
     denominator += std::exp(tasks[sp * kTask + h] - m_max) * tasks[sp * kTask + H + h];

@@ -99,16 +99,6 @@ inline void dot_panel_bf16(const c10::BFloat16* x, int64_t ldx, int mr, const c1
 }
 #endif
 
-template <typename T>
-inline at::vec::Vectorized<float> load_as_float(const T* p) {
-  using Vec = at::vec::Vectorized<float>;
-  if constexpr (std::is_same_v<T, float>) {
-    return Vec::loadu(p);
-  } else {
-    return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, static_cast<int64_t>(Vec::size())));
-  }
-}
-
 // Portable path (fp32, fp16 -- this CPU has no avx512_fp16 -- and bf16 without AVX512-BF16):
 // widen to fp32 and FMA, Vec::size() lanes per step.
 template <typename T, int MR, int NR>
@@ -121,9 +111,9 @@ inline void dot_tile_fma(const T* x, int64_t ldx, const T* w, int64_t ldw, int64
   int64_t k = 0;
   for (; k + V <= K; k += V) {
     Vec xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = load_as_float(x + m * ldx + k);
+    for (int m = 0; m < MR; ++m) xv[m] = load_floats(x + m * ldx + k);
     for (int n = 0; n < NR; ++n) {
-      const Vec wv = load_as_float(w + n * ldw + k);
+      const Vec wv = load_floats(w + n * ldw + k);
       for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
     }
   }

@@ -1,0 +1,22 @@
+// Shared by the templates' portable paths: load up to one vector of T and widen it to fp32.
+#pragma once
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace mla_inductor {
+
+// `count` (< Vec::size()) loads a partial vector; the remaining lanes are zero.
+template <typename T>
+inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count = at::vec::Vectorized<float>::size()) {
+  using Vec = at::vec::Vectorized<float>;
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p, count);
+  } else {
+    return at::vec::convert<float>(at::vec::Vectorized<T>::loadu(p, count));
+  }
+}
+
+}  // namespace mla_inductor
