@@ -54,7 +54,8 @@ def main():
     p.add_argument("--template-max-rows", type=int, default=None, help="fire the fusion up to this many rows")
     args = p.parse_args()
     if args.template_max_rows is not None:  # to measure the template where the cost model declines it
-        qkv_a_lowering.MAX_ROWS_FROZEN = qkv_a_lowering.MAX_ROWS_UNFROZEN = args.template_max_rows
+        qkv_a_lowering.MAX_ROWS_PACKED = qkv_a_lowering.MAX_ROWS_FROZEN = args.template_max_rows
+        qkv_a_lowering.MAX_ROWS_UNFROZEN = args.template_max_rows
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.fx_graph_cache = False
 

@@ -12,9 +12,11 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
+from mla_inductor import benchmarking
 from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
+from mla_inductor.lowerings.qkv_a import can_pack, pack_vnni_blocks
 from mla_inductor.ops.qkv_a import reference_fp64
 
 from graph_utils import rewritten
@@ -160,6 +162,57 @@ def test_template_over_rows_and_row_strides(rows, row_stride_pad, seed):
     assert_close_to_reference(call(shared_compiled_op(), args), args, torch.bfloat16)
 
 
+class DirectCall(nn.Module):
+    """The op called by a model on its own parameters: under freezing they become graph constants."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.weights = nn.ParameterDict(
+            {k: nn.Parameter(v, requires_grad=False) for k, v in args.items() if isinstance(v, torch.Tensor) and k != "x"}
+        )
+
+    def forward(self, x):
+        w = self.weights
+        return op(x, w["q_weight"], w["kv_weight"], w.get("q_norm_weight"), w["kv_norm_weight"], 1e-6, 1e-5,
+                  w.get("q_bias"), w.get("kv_bias"))
+
+
+def test_pack_vnni_blocks_layout():
+    q, kv = torch.randn(40, 7), torch.randn(3, 7)  # a partial block each and an odd K
+    packed = pack_vnni_blocks(q, kv)
+    assert packed.shape == (3, 4 * 2 * 32)
+    blocks = packed.view(3, 4, 32, 2)
+    for block, weight, n0 in ((0, q, 0), (1, q, 32), (2, kv, 0)):
+        for kp, c, e in ((0, 0, 0), (3, 5, 0), (2, 31, 1), (1, 17, 1)):
+            n, k = n0 + c, 2 * kp + e
+            expected = weight[n, k] if n < weight.shape[0] and k < weight.shape[1] else 0.0
+            assert blocks[block, kp, c, e] == expected, (block, kp, c, e)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX512-BF16")
+def test_template_with_weights_packed_under_freezing():
+    """Frozen bf16 weights are packed at compile time (odd K, partial blocks in both segments), and one
+    compile with dynamic rows serves 1 to 512 rows and strided x."""
+    shape = dict(hidden=99, nq=40, lora=36, rope=8)
+    weights = make_args(1, torch.bfloat16, bias=True, **shape)
+    model = DirectCall(weights).eval()
+    torch._dynamo.reset()
+    with benchmarking.inference_freezing(), torch.no_grad():
+        fn = torch.compile(model, dynamic=True)
+        x = torch.randn(3, 99).to(torch.bfloat16)
+        _, (code,) = run_and_get_code(fn, x)
+        assert "mi::packed_block_bf16" in code and "mi::dot_panel" not in code
+        wide = torch.randn(512, 2 * 99).to(torch.bfloat16)
+        for rows in (1, 3, 17, 64, 512):
+            for x in (wide[:rows, :99].contiguous(), wide[:rows, 99:]):
+                args = dict(weights, x=x)
+                outputs = fn(x)
+                assert_close_to_reference(outputs, args, torch.bfloat16)
+                ours, eager = max_errors(outputs, reference_fp64(**args)), max_errors(op(**args), reference_fp64(**args))
+                for o, e in zip(ours, eager):
+                    assert o <= 2 * e + 1e-7, (rows, ours, eager)
+
+
 # --- the patterns ----------------------------------------------------------------------------------
 
 
@@ -279,13 +332,14 @@ mul_5 = mul.Tensor(getitem_4, 3)""")
         self.assertNotIn("qkv_a_proj", graph)
 
     def test_not_for_many_rows_under_freezing_where_onednn_is_faster(self):
-        model = FusedWeightAttention().to(torch.bfloat16)
-        x = torch.randn(16, 64).to(torch.bfloat16)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(freezing=True):
-            result = mla_inductor.explain(model, x, verbose=False)
-        self.assertEqual(result.counts()["qkv_a_proj"], 0)
-        self.assertIn("16 rows", str(result))
+        # bf16 weights are packed and the template wins up to 8 rows; fp32 ones are not, and it wins up to 4
+        for dtype, rows in ((torch.bfloat16, 16), (torch.float32, 8)):
+            model = FusedWeightAttention().to(dtype)
+            torch._dynamo.reset()
+            with torch._inductor.config.patch(freezing=True):
+                result = mla_inductor.explain(model, torch.randn(rows, 64).to(dtype), verbose=False)
+            self.assertEqual(result.counts()["qkv_a_proj"], 0)
+            self.assertIn(f"{rows} rows", str(result))
 
 
 # --- real models -----------------------------------------------------------------------------------

@@ -14,10 +14,12 @@ import torch._inductor.lowering  # noqa: F401  (first: see above)
 
 from typing import Optional
 
+import torch
 from torch._inductor import ir
 from torch._inductor.codegen.cpp import get_export_declaration
 from torch._inductor.codegen.cpp_template import CppTemplate
 from torch._inductor.utils import parallel_num_threads
+from torch._inductor.virtualized import V
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 
@@ -34,6 +36,18 @@ def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
         return None
     t = ir.ExternKernel.realize_input(t)
     return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
+
+
+def frozen_value(t) -> Optional[torch.Tensor]:
+    """The value of a lowering argument that freezing made a graph constant (seen through a view, such
+    as the row slice a fused weight is split by), or None when it is a runtime input."""
+    t = ir.ExternKernel.realize_input(t)
+    storage, layout = (t.data, t.layout) if isinstance(t, ir.ReinterpretView) else (t, None)
+    name = storage.get_name() if isinstance(storage, (ir.StorageBox, ir.Buffer)) else None
+    if name not in V.graph.constants:
+        return None
+    value = V.graph.constants[name]
+    return value if layout is None else value.as_strided(layout.size, layout.stride, layout.offset)
 
 
 class FusedOpTemplate(CppTemplate):

@@ -4,31 +4,64 @@ from __future__ import annotations
 
 import sympy
 import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.select_algorithm import autotune_select_algorithm
+from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, realize_input
+from . import FusedOpTemplate, frozen_value, realize_input
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Where the NT template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
-# shape, 2 threads): with freezing, oneDNN's prepacked weights tie at 8 rows and win beyond; without freezing,
-# Inductor calls unpacked mm, which the template beats up to 64 rows. The pattern consults this
-# (patterns/qkv_a.py) so that larger row counts keep Inductor's own best path.
+PACKED_COLS = 32  # kPackedCols of templates/packed_dot.h
+# Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
+# shape, 2 threads). With freezing, bf16 weights are packed at compile time and the template beats
+# oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each k-chunk then waits
+# for memory before the second row tile can reuse it); frozen weights it cannot pack (fp32, fp16,
+# no AVX512-BF16) run NT tiles, which only tie oneDNN at 8 rows. Without freezing, Inductor calls unpacked
+# mm, which the NT template beats up to 64 rows. The pattern consults this (patterns/qkv_a.py) so that
+# larger row counts keep Inductor's own best path.
+MAX_ROWS_PACKED = 8
 MAX_ROWS_FROZEN = 4
 MAX_ROWS_UNFROZEN = 64
 
 
-def template_wins(rows: int) -> bool:
-    limit = MAX_ROWS_FROZEN if torch._inductor.config.freezing else MAX_ROWS_UNFROZEN
-    return rows <= limit
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the code is compiled
+    for this CPU (Inductor's default -march=native) and this CPU has AVX512-BF16."""
+    return (
+        dtype == torch.bfloat16
+        and inductor_config.cpp.march is None
+        and torch.cpu._is_avx512_bf16_supported()
+    )
+
+
+def template_wins(rows: int, dtype: torch.dtype) -> bool:
+    if not inductor_config.freezing:
+        return rows <= MAX_ROWS_UNFROZEN
+    return rows <= (MAX_ROWS_PACKED if can_pack(dtype) else MAX_ROWS_FROZEN)
+
+
+def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
+    """[N_i, K] weights as one [blocks, (K + 1) // 2 * 64] tensor of the 32-column VNNI blocks that
+    packed_dot.h reads: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in turn, the last
+    block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
+    blocks = []
+    for w in weights:
+        n, k = w.shape
+        padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
+        pairs = (k + 1) // 2
+        blocks.append(padded.view(-1, PACKED_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * PACKED_COLS))
+    return torch.cat(blocks)
 
 
 class QkvAProjTemplate(FusedOpTemplate):
-    def __init__(self, inputs: dict, layout: ir.Layout, q_eps: float, kv_eps: float) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
+        self.nq, self.nkv = nq, nkv
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
     def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
@@ -36,6 +69,7 @@ class QkvAProjTemplate(FusedOpTemplate):
         assert not epilogue_nodes, "epilogue fusion is disabled for this template"
         y = template_buffer_node if template_buffer_node is not None else self.output_node
         x, wq, wkv = self.inputs["X"], self.inputs["WQ"], self.inputs["WKV"]
+        packed = self.inputs["WP"] is not None
         # Declare the kernel's arguments before anything names a size: sizes named earlier would
         # get symbols the signature does not declare.
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
@@ -43,18 +77,18 @@ class QkvAProjTemplate(FusedOpTemplate):
         rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
         return self.render_source(
             "qkv_a_proj.cpp.j2",
-            ("widen.h", "nt_dot.h"),
+            ("widen.h", "nt_dot.h", "packed_dot.h") if packed else ("widen.h", "nt_dot.h"),
             kernel=kernel,
             signature=signature,
             Y=y,
             M=rows,
             K=kernel.size(x, -1),
-            NQ=kernel.size(wq, 0),
-            NKV=kernel.size(wkv, 0),
+            NQ=self.nq,
+            NKV=self.nkv,
             L=kernel.size(self.inputs["KVW"], 0),
             ldx=kernel.stride(x, len(x_size) - 2) if len(x_size) > 1 else kernel.size(x, -1),
-            ldwq=kernel.stride(wq, 0),
-            ldwkv=kernel.stride(wkv, 0),
+            ldwq=None if packed else kernel.stride(wq, 0),
+            ldwkv=None if packed else kernel.stride(wkv, 0),
             x_origin=[0] * len(x_size),
             y_origin=[0] * len(y.get_size()),
             q_eps=f"{self.q_eps!r}f",
@@ -79,10 +113,16 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
+    nq, nkv = (int(w.get_size()[0]) for w in (q_weight, kv_weight))
+    frozen = [frozen_value(w) for w in (q_weight, kv_weight)]
+    packed = None
+    if inductor_config.freezing and can_pack(x.get_dtype()) and all(w is not None for w in frozen):
+        packed = realize_input(V.graph.add_tensor_constant(pack_vnni_blocks(*frozen)))
     inputs = {
         "X": x,
-        "WQ": realize_input(q_weight),
-        "WKV": realize_input(kv_weight),
+        "WQ": None if packed else realize_input(q_weight),
+        "WKV": None if packed else realize_input(kv_weight),
+        "WP": packed,
         "QW": realize_input(q_norm_weight, True),
         "KVW": realize_input(kv_norm_weight, True),
         "QB": realize_input(q_bias, True),
@@ -90,10 +130,9 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
         "Q_EPS": realize_input(q_eps_tensor, True),
         "KV_EPS": realize_input(kv_eps_tensor, True),
     }
-    nq, nkv = inputs["WQ"].get_size()[0], inputs["WKV"].get_size()[0]
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
-    template = QkvAProjTemplate(inputs, layout, q_eps, kv_eps)
+    template = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps)
     choices = []
     template.maybe_append_choice(choices)
     y, _ = autotune_select_algorithm("mla_qkv_a_proj", choices, template.input_nodes, layout)

@@ -173,7 +173,7 @@ def check(match: Match) -> Optional[str]:
     if mismatch:
         return mismatch
     rows = math.prod(_hint(s) for s in x.shape[:-1])
-    if not template_wins(rows):
+    if not template_wins(rows, x.dtype):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     kv_eps = kw["kv_eps"]
     try:

@@ -1,0 +1,110 @@
+// NN tiles over a weight packed at compile time (freezing) into VNNI column blocks:
+//
+//   block[kp][c][e] = W[n0 + c][2 * kp + e]    (c < kPackedCols, e < 2; zero beyond N and K)
+//
+// so one block is a single sequential stream of (K + 1) / 2 * 128 bytes. Each step broadcasts a pair of
+// x values (one 32-bit load) against two 64-byte loads of the block and issues 2 * MR dpbf16. Against
+// the NT form (nt_dot.h) this needs no lane reduction and, above all, each thread reads one stream
+// instead of four rows 14 KiB apart, which the hardware prefetcher follows at full bandwidth: at 8 x
+// rows it streamed 32 GB/s where the NT tiles managed 17-19 (benchmarks/qkv_a.py, docs/qkv_a.md).
+#pragma once
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if !defined(__AVX512BF16__)
+#error "packed_dot.h needs AVX512-BF16: the lowering packs weights only when the CPU and -march have it"
+#endif
+#include <immintrin.h>
+
+namespace mla_inductor {
+
+constexpr int64_t kPackedCols = 32;  // two fp32 vectors of outputs per x row
+constexpr int kPackedRows = 8;       // x rows per register tile: 16 accumulators + 2 weight vectors
+// k pairs per chunk when the rows need several tiles: 16 KiB of the block stays in L1 while every
+// row tile passes over it.
+constexpr int64_t kPackedChunk = 128;
+
+constexpr int64_t packed_block_elems(int64_t K) { return (K + 1) / 2 * 2 * kPackedCols; }
+
+template <int MR>
+__attribute__((always_inline)) inline void packed_step_bf16(__m512 (&a)[MR][2], const int32_t (&pairs)[MR],
+                                                            const c10::BFloat16* w) {
+  const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);                // columns 0..15, both k of the pair
+  const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + kPackedCols);  // columns 16..31
+  for (int m = 0; m < MR; ++m) {
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pairs[m]);
+    a[m][0] = _mm512_dpbf16_ps(a[m][0], xb, w0);
+    a[m][1] = _mm512_dpbf16_ps(a[m][1], xb, w1);
+  }
+}
+
+// acc[MR x 2] (in memory) += x[:, pairs kp0..kp1) . block[kp0..kp1), accumulating in registers.
+template <int MR>
+inline void packed_chunk_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* block, int64_t K,
+                              int64_t kp0, int64_t kp1, __m512* acc) {
+  __m512 a[MR][2];
+  for (int m = 0; m < MR; ++m) a[m][0] = acc[2 * m], a[m][1] = acc[2 * m + 1];
+  int32_t pairs[MR];
+  const int64_t full_pairs = std::min(kp1, K / 2);
+  for (int64_t kp = kp0; kp < full_pairs; ++kp) {
+    for (int m = 0; m < MR; ++m) std::memcpy(&pairs[m], x + m * ldx + 2 * kp, 4);
+    packed_step_bf16<MR>(a, pairs, block + kp * 2 * kPackedCols);
+  }
+  if (full_pairs < kp1) {  // odd K: the last pair is x[K - 1] and a zero (never read past the row)
+    for (int m = 0; m < MR; ++m) {
+      pairs[m] = 0;
+      std::memcpy(&pairs[m], x + m * ldx + K - 1, 2);
+    }
+    packed_step_bf16<MR>(a, pairs, block + full_pairs * 2 * kPackedCols);
+  }
+  for (int m = 0; m < MR; ++m) acc[2 * m] = a[m][0], acc[2 * m + 1] = a[m][1];
+}
+
+template <int MR>
+inline void packed_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* block, int64_t K,
+                             int64_t kp0, int64_t kp1, float* out, int64_t ldo, __mmask16 lo, __mmask16 hi,
+                             bool first) {
+  __m512 acc[2 * MR];
+  for (int m = 0; m < MR; ++m) {
+    acc[2 * m] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lo, out + m * ldo);
+    acc[2 * m + 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(hi, out + m * ldo + 16);
+  }
+  packed_chunk_bf16<MR>(x, ldx, block, K, kp0, kp1, acc);
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, acc[2 * m]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[2 * m + 1]);
+  }
+}
+
+// out[m, c] = sum_k x[m, k] * W[n0 + c, k] in fp32 for m < M and c < cols (<= kPackedCols), W[n0:] being
+// the packed `block`. Up to kPackedRows rows run in registers over all of k; more rows take k in chunks.
+inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
+                              int64_t K, int64_t cols, float* out, int64_t ldo) {
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16(1) << cols) - 1;
+  const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16(1) << (cols - 16)) - 1;
+  const int64_t pairs = (K + 1) / 2;
+  const int64_t chunk = M <= kPackedRows ? pairs : kPackedChunk;
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += chunk) {
+    const int64_t kp1 = std::min(pairs, kp0 + chunk);
+    for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+      const c10::BFloat16* xm = x + m0 * ldx;
+      float* om = out + m0 * ldo;
+      const bool first = kp0 == 0;
+      switch (std::min<int64_t>(kPackedRows, M - m0)) {
+        case 8: packed_tile_bf16<8>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 7: packed_tile_bf16<7>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 6: packed_tile_bf16<6>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 5: packed_tile_bf16<5>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 4: packed_tile_bf16<4>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 3: packed_tile_bf16<3>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 2: packed_tile_bf16<2>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        default: packed_tile_bf16<1>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first);
+      }
+    }
+  }
+}
+
+}  // namespace mla_inductor
