@@ -47,6 +47,15 @@ def copy_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
     return 2 * nbytes / seconds
 
 
+def copy_probe(nbytes: int = 256 << 20) -> tuple[Callable[[], object], int]:
+    """A large copy to time among the variants of a benchmark, and the bytes it moves (reads and
+    writes): its time in the same interleaved rounds gives the copy bandwidth the variants actually
+    had, on a machine whose bandwidth moves by 20% from minute to minute."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32).normal_()
+    dst = torch.empty_like(src).normal_()
+    return (lambda: dst.copy_(src)), 2 * nbytes
+
+
 def read_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
     """Bytes per second of a streaming read (a sum over a large tensor): what weight streaming can reach.
 

@@ -7,7 +7,10 @@ in this package. `torch._inductor.lowering` must be imported before `codegen.cpp
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import math
+import mmap
 import pathlib
 
 import torch._inductor.lowering  # noqa: F401  (first: see above)
@@ -50,6 +53,24 @@ def frozen_value(t) -> Optional[torch.Tensor]:
     return value if layout is None else value.as_strided(layout.size, layout.stride, layout.offset)
 
 
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in memory the kernel is asked to back with 2 MiB pages (transparent huge
+    pages under `madvise`, the common setting). A template that streams a packed weight crosses no
+    4 KiB page boundary then, where the L2 stream prefetcher stops and must retrain: 26 -> 29-40 GB/s
+    streaming the qkv_a weights at 8 rows (docs/qkv_a.md). Private anonymous memory: a shared
+    mapping would not be eligible. Where the kernel declines, the pages are ordinary ones."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buffer)) % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buffer.madvise(mmap.MADV_HUGEPAGE, offset, nbytes)
+    # frombuffer keeps `buffer` alive for as long as the tensor lives
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
+
+
 class FusedOpTemplate(CppTemplate):
     """A C++ template over named inputs, some of them absent: absent ones stay in `inputs` as None (the
     Jinja template branches on them), the kernel's arguments are the present ones, in this order."""
@@ -72,4 +93,4 @@ class FusedOpTemplate(CppTemplate):
         )
 
 
-from . import mla_decode, qkv_a  # noqa: E402,F401
+from . import mla_decode, qkv_a, rope  # noqa: E402,F401

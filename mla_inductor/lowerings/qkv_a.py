@@ -12,7 +12,7 @@ from torch._inductor.select_algorithm import autotune_select_algorithm
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, frozen_value, realize_input
+from . import FusedOpTemplate, frozen_value, huge_page_empty, realize_input
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -55,7 +55,8 @@ def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
         padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
         pairs = (k + 1) // 2
         blocks.append(padded.view(-1, PACKED_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * PACKED_COLS))
-    return torch.cat(blocks)
+    packed = huge_page_empty((sum(b.shape[0] for b in blocks), blocks[0].shape[1]), weights[0].dtype)
+    return torch.cat(blocks, out=packed)
 
 
 class QkvAProjTemplate(FusedOpTemplate):
