@@ -2,3 +2,4 @@
 
 from . import qkv_a  # noqa: F401
 from . import mla_decode  # noqa: F401
+from . import rope  # noqa: F401

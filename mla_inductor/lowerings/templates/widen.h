@@ -19,4 +19,15 @@ inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count = at::ve
   }
 }
 
+// Round `count` fp32 lanes of v to T and store them.
+template <typename T>
+inline void store_floats(T* p, const at::vec::Vectorized<float>& v,
+                         int64_t count = at::vec::Vectorized<float>::size()) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, count);
+  } else {
+    at::vec::convert<T>(v).store(p, count);
+  }
+}
+
 }  // namespace mla_inductor

@@ -1,0 +1,109 @@
+"""Lowering of mla::rotary_embedding to a vectorized C++ template: one pass over the heads."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.select_algorithm import autotune_select_algorithm
+from torch._inductor.virtualized import V
+
+from .. import config as mla_config
+from . import FusedOpTemplate, realize_input
+
+OP = torch.ops.mla.rotary_embedding.default
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _compile_time_dims(positions, query, key, head_size, cos_sin_cache) -> Optional[dict]:
+    """Head counts and widths shape the kernel's loops, so they are compile-time constants. Under
+    dynamic=True they are symbols: specialize on them (a guard; a model's heads do not change).
+    None if that is impossible (unbacked sizes)."""
+    token_dims = len(positions.get_size())
+
+    def heads(t):
+        size = t.get_size()
+        return size[-1] // head_size if len(size) == token_dims + 1 else size[-2]
+
+    sizes = dict(head_size=head_size, rotary_dim=cos_sin_cache.get_size()[1], q_heads=heads(query),
+                 k_heads=heads(key))
+    try:
+        return {name: V.graph.sizevars.guard_int(size) for name, size in sizes.items()}
+    except Exception:  # noqa: BLE001 -- unbacked or unhinted: the extern reference serves
+        return None
+
+
+class RotaryEmbeddingTemplate(FusedOpTemplate):
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, is_neox: bool) -> None:
+        super().__init__("mla_rotary_embedding", inputs, layout)
+        self.dims, self.is_neox = dims, is_neox
+
+    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
+               epilogue_nodes=None, **kwargs) -> str:
+        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
+        y = template_buffer_node if template_buffer_node is not None else self.output_node
+        pos, q, k, cache = (self.inputs[n] for n in ("POS", "Q", "K", "CACHE"))
+        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
+        token_dims = len(pos.get_size())
+
+        def head_stride(t):  # heads are either within the last dim or a dim of their own
+            return self.dims["head_size"] if len(t.get_size()) == token_dims + 1 else kernel.stride(t, len(t.get_size()) - 2)
+
+        return self.render_source(
+            "rotary_embedding.cpp.j2",
+            ("widen.h", "rope.h"),
+            kernel=kernel,
+            signature=signature,
+            Y=y,
+            tokens=" * ".join(kernel.size(pos, d) for d in range(token_dims)) or "1",
+            **self.dims,
+            max_positions=kernel.size(cache, 0),
+            # the token dims are one (or, when several, the input is contiguous): the last one's stride
+            ldq=kernel.stride(q, token_dims - 1),
+            ldk=kernel.stride(k, token_dims - 1),
+            ldq_head=head_stride(q),
+            ldk_head=head_stride(k),
+            pos_origin=[0] * token_dims,
+            q_origin=[0] * len(q.get_size()),
+            k_origin=[0] * len(k.get_size()),
+            is_neox=self.is_neox,
+        )
+
+
+def _template_can_serve(positions, query, key, cos_sin_cache) -> bool:
+    return (
+        mla_config.active().cpp_templates
+        and query.get_device().type == "cpu"
+        and query.get_dtype() in SUPPORTED_DTYPES
+        and cos_sin_cache.get_dtype() in SUPPORTED_DTYPES
+        and len(positions.get_size()) >= 1
+    )
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
+    dims = _compile_time_dims(positions, query, key, head_size, cos_sin_cache)
+    if dims is None or not _template_can_serve(positions, query, key, cos_sin_cache):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(positions, query, key, head_size, cos_sin_cache,
+                                                                 is_neox)
+    several_token_dims = len(positions.get_size()) > 1  # then only a contiguous layout collapses them
+    inputs = {
+        "POS": realize_input(positions, contiguous=True),
+        "Q": realize_input(query, contiguous=several_token_dims),
+        "K": realize_input(key, contiguous=several_token_dims),
+        "CACHE": realize_input(cos_sin_cache, contiguous=True),
+    }
+    q_heads, k_heads = dims["q_heads"], dims["k_heads"]
+    tokens = sympy.Mul(*positions.get_size())
+    layout = ir.FixedLayout(query.get_device(), query.get_dtype(), [tokens, q_heads + k_heads, dims["head_size"]])
+    template = RotaryEmbeddingTemplate(inputs, layout, dims, is_neox)
+    choices = []
+    template.maybe_append_choice(choices)
+    y, _ = autotune_select_algorithm("mla_rotary_embedding", choices, template.input_nodes, layout)
+    y.data.data.allow_epilogue_fusion = False
+    q_out = L.slice_(y, 1, 0, q_heads)
+    k_out = L.slice_(y, 1, q_heads, q_heads + k_heads)
+    return L.view(q_out, list(query.get_size())), L.view(k_out, list(key.get_size()))
