@@ -17,7 +17,7 @@ from torch import nn
 
 import mla_inductor
 from mla_inductor import benchmarking
-from mla_inductor.lowerings import qkv_a as qkv_a_lowering
+from mla_inductor.lowerings import segment_gemm
 from mla_inductor.models.mla import RMSNorm, init_weights_
 
 
@@ -55,8 +55,8 @@ def main():
     p.add_argument("--template-max-rows", type=int, default=None, help="fire the fusion up to this many rows")
     args = p.parse_args()
     if args.template_max_rows is not None:  # to measure the template where the cost model declines it
-        qkv_a_lowering.MAX_ROWS_PACKED = qkv_a_lowering.MAX_ROWS_FROZEN = args.template_max_rows
-        qkv_a_lowering.MAX_ROWS_UNFROZEN = args.template_max_rows
+        segment_gemm.MAX_ROWS_PACKED = segment_gemm.MAX_ROWS_FROZEN = args.template_max_rows
+        segment_gemm.MAX_ROWS_UNFROZEN = args.template_max_rows
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.fx_graph_cache = False
 

@@ -161,7 +161,7 @@ def test_fx_graph_cache_hit_in_a_new_process_keeps_the_rewrite(tmp_path):
         print(json.dumps({"hit": counters["inductor"]["fxgraph_cache_hit"],
                           "miss": counters["inductor"]["fxgraph_cache_miss"],
                           "fired": mla_inductor.fusion_counts()["qkv_a_proj"],
-                          "kernel": any("mi::dot_panel" in s for s in sources)}))
+                          "kernel": any("mi::nt_task" in s for s in sources)}))
     """
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     first = json.loads(run_python(code, env).strip().splitlines()[-1])

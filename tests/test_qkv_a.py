@@ -16,7 +16,7 @@ from mla_inductor import benchmarking
 from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
-from mla_inductor.lowerings.qkv_a import can_pack, pack_vnni_blocks
+from mla_inductor.lowerings.segment_gemm import can_pack, pack_vnni_blocks
 from mla_inductor.ops.qkv_a import reference_fp64
 
 from graph_utils import rewritten
@@ -122,7 +122,7 @@ def test_template_matches_reference_over_rows_and_is_no_less_accurate_than_eager
     shape = dict(hidden=100, nq=10, lora=12, rope=6)
     args = make_args(3, dtype, bias=True, **shape)
     outputs, (code,) = run_and_get_code(call, fn, args)
-    assert "mi::dot_panel" in code, "our template's C++ is in the module"
+    assert "mi::nt_task" in code, "our template's C++ is in the module"
     assert "torch.ops.mla.qkv_a_proj" not in code, "no fallback to the eager op"
     if dtype == torch.bfloat16 and torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         assert "_mm512_dpbf16_ps" in code
@@ -201,7 +201,7 @@ def test_template_with_weights_packed_under_freezing():
         fn = torch.compile(model, dynamic=True)
         x = torch.randn(3, 99).to(torch.bfloat16)
         _, (code,) = run_and_get_code(fn, x)
-        assert "mi::packed_block_bf16" in code and "mi::dot_panel" not in code
+        assert "mi::packed_task" in code and "mi::nt_task" not in code
         wide = torch.randn(512, 2 * 99).to(torch.bfloat16)
         for rows in (1, 3, 17, 64, 512):
             for x in (wide[:rows, :99].contiguous(), wide[:rows, 99:]):

@@ -93,4 +93,4 @@ class FusedOpTemplate(CppTemplate):
         )
 
 
-from . import mla_decode, qkv_a, rope  # noqa: E402,F401
+from . import mla_decode, q_b_absorb, qkv_a, rope  # noqa: E402,F401

@@ -4,61 +4,16 @@ from __future__ import annotations
 
 import sympy
 import torch
-import torch.nn.functional as F
-from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.select_algorithm import autotune_select_algorithm
-from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, frozen_value, huge_page_empty, realize_input
+from . import FusedOpTemplate, realize_input
+from .segment_gemm import packed_weights
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-PACKED_COLS = 32  # kPackedCols of templates/packed_dot.h
-# Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
-# shape, 2 threads). With freezing, bf16 weights are packed at compile time and the template beats
-# oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each k-chunk then waits
-# for memory before the second row tile can reuse it); frozen weights it cannot pack (fp32, fp16,
-# no AVX512-BF16) run NT tiles, which only tie oneDNN at 8 rows. Without freezing, Inductor calls unpacked
-# mm, which the NT template beats up to 64 rows. The pattern consults this (patterns/qkv_a.py) so that
-# larger row counts keep Inductor's own best path.
-MAX_ROWS_PACKED = 8
-MAX_ROWS_FROZEN = 4
-MAX_ROWS_UNFROZEN = 64
-
-
-def can_pack(dtype: torch.dtype) -> bool:
-    """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the code is compiled
-    for this CPU (Inductor's default -march=native) and this CPU has AVX512-BF16."""
-    return (
-        dtype == torch.bfloat16
-        and inductor_config.cpp.march is None
-        and torch.cpu._is_avx512_bf16_supported()
-    )
-
-
-def template_wins(rows: int, dtype: torch.dtype) -> bool:
-    if not inductor_config.freezing:
-        return rows <= MAX_ROWS_UNFROZEN
-    return rows <= (MAX_ROWS_PACKED if can_pack(dtype) else MAX_ROWS_FROZEN)
-
-
-def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
-    """[N_i, K] weights as one [blocks, (K + 1) // 2 * 64] tensor of the 32-column VNNI blocks that
-    packed_dot.h reads: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in turn, the last
-    block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
-    blocks = []
-    for w in weights:
-        n, k = w.shape
-        padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
-        pairs = (k + 1) // 2
-        blocks.append(padded.view(-1, PACKED_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * PACKED_COLS))
-    packed = huge_page_empty((sum(b.shape[0] for b in blocks), blocks[0].shape[1]), weights[0].dtype)
-    return torch.cat(blocks, out=packed)
-
-
 class QkvAProjTemplate(FusedOpTemplate):
     def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
@@ -115,10 +70,7 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
     nq, nkv = (int(w.get_size()[0]) for w in (q_weight, kv_weight))
-    frozen = [frozen_value(w) for w in (q_weight, kv_weight)]
-    packed = None
-    if inductor_config.freezing and can_pack(x.get_dtype()) and all(w is not None for w in frozen):
-        packed = realize_input(V.graph.add_tensor_constant(pack_vnni_blocks(*frozen)))
+    packed = packed_weights(x.get_dtype(), q_weight, kv_weight)
     inputs = {
         "X": x,
         "WQ": None if packed else realize_input(q_weight),

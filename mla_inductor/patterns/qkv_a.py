@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
-from ..lowerings.qkv_a import template_wins
+from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
 from . import node_value, register_fusion
 

@@ -166,6 +166,22 @@ inline void dot_panel(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, 
   }
 }
 
+// A GEMM out[M, N] = x[M, K] . w[N, K]^T as parallel tasks: tiles of kTileCols weight rows, each against
+// blocks of kMaxPanelRows x rows, tile-major so that a thread reads a weight tile from memory once.
+inline int64_t nt_tasks(int64_t M, int64_t N) {
+  return (N + kTileCols - 1) / kTileCols * ((M + kMaxPanelRows - 1) / kMaxPanelRows);
+}
+
+template <typename T>
+inline void nt_task(int64_t task, const T* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K,
+                    float* out, int64_t ldo) {
+  const int64_t m_blocks = (M + kMaxPanelRows - 1) / kMaxPanelRows;
+  const int64_t n0 = task / m_blocks * kTileCols, m0 = task % m_blocks * kMaxPanelRows;
+  const int mr = static_cast<int>(std::min<int64_t>(kMaxPanelRows, M - m0));
+  const int nr = static_cast<int>(std::min<int64_t>(kTileCols, N - n0));
+  dot_panel<T>(x + m0 * ldx, ldx, mr, w + n0 * ldw, ldw, nr, K, out + m0 * ldo + n0, ldo);
+}
+
 // RMSNorm of one fp32 row into the output dtype, rounding once: y = x * rsqrt(mean(x^2) + eps) * weight.
 template <typename T>
 inline void rms_norm_row(const float* row, int64_t n, const T* weight, float eps, T* out) {

@@ -9,9 +9,9 @@
 
 namespace mla_inductor {
 
-// NeoX / rotate_half: pairs (x[i], x[i + half]).
-template <typename T, typename C>
-inline void rope_neox(const T* x, T* out, const C* cos, const C* sin, int64_t half) {
+// NeoX / rotate_half: pairs (x[i], x[i + half]). x may be a wider type than out (an fp32 scratch row).
+template <typename X, typename T, typename C>
+inline void rope_neox(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
   using Vec = at::vec::Vectorized<float>;
   for (int64_t i = 0; i < half; i += Vec::size()) {
     const int64_t n = std::min<int64_t>(Vec::size(), half - i);
@@ -24,8 +24,8 @@ inline void rope_neox(const T* x, T* out, const C* cos, const C* sin, int64_t ha
 
 // GPT-J / DeepSeek interleaved: pairs (x[2 i], x[2 i + 1]). Two vectors of x hold Vec::size() pairs:
 // de-interleave them into evens and odds, rotate, interleave back.
-template <typename T, typename C>
-inline void rope_interleaved(const T* x, T* out, const C* cos, const C* sin, int64_t half) {
+template <typename X, typename T, typename C>
+inline void rope_interleaved(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   int64_t i = 0;
@@ -44,14 +44,19 @@ inline void rope_interleaved(const T* x, T* out, const C* cos, const C* sin, int
   }
 }
 
+template <bool NEOX, typename X, typename T, typename C>
+inline void rope(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
+  if constexpr (NEOX) {
+    rope_neox(x, out, cos, sin, half);
+  } else {
+    rope_interleaved(x, out, cos, sin, half);
+  }
+}
+
 template <bool NEOX, typename T, typename C>
 inline void rope_head(const T* x, T* out, const C* cos_sin, int64_t rotary_dim, int64_t head_size) {
   const int64_t half = rotary_dim / 2;
-  if constexpr (NEOX) {
-    rope_neox(x, out, cos_sin, cos_sin + half, half);
-  } else {
-    rope_interleaved(x, out, cos_sin, cos_sin + half, half);
-  }
+  rope<NEOX>(x, out, cos_sin, cos_sin + half, half);
   for (int64_t i = rotary_dim; i < head_size; ++i) out[i] = x[i];
 }
 

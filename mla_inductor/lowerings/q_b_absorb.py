@@ -1,0 +1,86 @@
+"""Lowering of mla::q_b_absorb: the q_b GEMM (the projection templates' building block, packed under
+freezing), then per head the W_kc absorption and the RoPE of q_pe from the fp32 GEMM row."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.select_algorithm import autotune_select_algorithm
+
+from .. import config as mla_config
+from . import FusedOpTemplate, realize_input
+from .segment_gemm import packed_weights
+
+OP = torch.ops.mla.q_b_absorb.default
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class QBAbsorbTemplate(FusedOpTemplate):
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, is_neox: bool) -> None:
+        super().__init__("mla_q_b_absorb", inputs, layout)
+        self.dims, self.is_neox = dims, is_neox
+
+    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
+               epilogue_nodes=None, **kwargs) -> str:
+        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
+        y = template_buffer_node if template_buffer_node is not None else self.output_node
+        x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]
+        packed = self.inputs["WP"] is not None
+        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
+        return self.render_source(
+            "q_b_absorb.cpp.j2",
+            ("widen.h", "nt_dot.h", "packed_dot.h", "absorb.h", "rope.h") if packed
+            else ("widen.h", "nt_dot.h", "absorb.h", "rope.h"),
+            kernel=kernel,
+            signature=signature,
+            Y=y,
+            M=kernel.size(x, 0),
+            ldx=kernel.stride(x, 0),
+            ldw=None if packed else kernel.stride(wqb, 0),
+            w_kc_stride_h=kernel.stride(w_kc, 0),
+            w_kc_stride_d=kernel.stride(w_kc, 1),
+            ld_cos=kernel.stride(self.inputs["COS"], 0),
+            ld_sin=kernel.stride(self.inputs["SIN"], 0),
+            is_neox=self.is_neox,
+            **self.dims,
+        )
+
+
+def _static_dims(q_a, q_b_weight, w_kc, cos) -> dict | None:
+    heads, nope, latent = w_kc.get_size()
+    sizes = dict(K=q_a.get_size()[1], H=heads, NOPE=nope, L=latent, ROPE=2 * cos.get_size()[1])
+    if not all(isinstance(s, (int, sympy.Integer)) for s in sizes.values()):
+        return None  # weights are parameters: static in every graph we rewrite
+    return {k: int(v) for k, v in sizes.items()}
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
+    dims = _static_dims(q_a, q_b_weight, w_kc, cos)
+    if (
+        dims is None
+        or not mla_config.active().cpp_templates
+        or q_a.get_device().type != "cpu"
+        or q_a.get_dtype() not in SUPPORTED_DTYPES
+        or cos.get_dtype() not in SUPPORTED_DTYPES
+    ):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, is_neox)
+    packed = packed_weights(q_a.get_dtype(), q_b_weight)
+    inputs = {
+        "Q_A": realize_input(q_a),
+        "WQB": None if packed else realize_input(q_b_weight),
+        "WP": packed,
+        "W_KC": realize_input(w_kc),
+        "COS": realize_input(cos),
+        "SIN": realize_input(sin),
+    }
+    tokens = q_a.get_size()[0]
+    layout = ir.FixedLayout(q_a.get_device(), q_a.get_dtype(), [tokens, dims["H"], dims["L"] + dims["ROPE"]])
+    template = QBAbsorbTemplate(inputs, layout, dims, is_neox)
+    choices = []
+    template.maybe_append_choice(choices)
+    y, _ = autotune_select_algorithm("mla_q_b_absorb", choices, template.input_nodes, layout)
+    y.data.data.allow_epilogue_fusion = False
+    return y

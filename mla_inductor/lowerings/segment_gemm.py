@@ -1,0 +1,67 @@
+"""The GEMM building block of the projection templates (qkv_a_proj, q_b_absorb): when it wins over
+Inductor's own path, and the compile-time packing of frozen weights for templates/packed_dot.h."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._inductor import config as inductor_config
+from torch._inductor import ir
+from torch._inductor.virtualized import V
+
+from . import frozen_value, huge_page_empty, realize_input
+
+PACKED_COLS = 32  # kPackedCols of templates/packed_dot.h
+# Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
+# shape, 2 threads). With freezing, bf16 weights are packed at compile time and the template beats
+# oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each k-chunk then waits
+# for memory before the second row tile can reuse it); frozen weights it cannot pack (fp32, fp16,
+# no AVX512-BF16) run NT tiles, which only tie oneDNN at 8 rows. Without freezing, Inductor calls unpacked
+# mm, which the NT template beats up to 64 rows. The patterns consult this so that larger row counts
+# keep Inductor's own best path.
+MAX_ROWS_PACKED = 8
+MAX_ROWS_FROZEN = 4
+MAX_ROWS_UNFROZEN = 64
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the code is compiled
+    for this CPU (Inductor's default -march=native) and this CPU has AVX512-BF16."""
+    return (
+        dtype == torch.bfloat16
+        and inductor_config.cpp.march is None
+        and torch.cpu._is_avx512_bf16_supported()
+    )
+
+
+def template_wins(rows: int, dtype: torch.dtype) -> bool:
+    if not inductor_config.freezing:
+        return rows <= MAX_ROWS_UNFROZEN
+    return rows <= (MAX_ROWS_PACKED if can_pack(dtype) else MAX_ROWS_FROZEN)
+
+
+def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
+    """[N_i, K] weights as one [blocks, (K + 1) // 2 * 64] tensor of the 32-column VNNI blocks that
+    packed_dot.h reads: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in turn, the last
+    block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
+    blocks = []
+    for w in weights:
+        n, k = w.shape
+        padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
+        pairs = (k + 1) // 2
+        blocks.append(padded.view(-1, PACKED_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * PACKED_COLS))
+    packed = huge_page_empty((sum(b.shape[0] for b in blocks), blocks[0].shape[1]), weights[0].dtype)
+    return torch.cat(blocks, out=packed)
+
+
+def packed_weights(dtype: torch.dtype, *weights) -> Optional[ir.IRNode]:
+    """Under freezing, the lowering arguments `weights` packed into one constant of VNNI blocks (each
+    weight's blocks in turn) when all are frozen and `can_pack(dtype)`; else None (use them as they are)."""
+    if not inductor_config.freezing or not can_pack(dtype):
+        return None
+    values = [frozen_value(w) for w in weights]
+    if any(v is None for v in values):
+        return None
+    return realize_input(V.graph.add_tensor_constant(pack_vnni_blocks(*values)))

@@ -1,0 +1,97 @@
+"""mla::q_b_absorb: the query side of absorbed MLA attention, from the q latent to the decode query.
+
+    q        = q_a · q_b_weight^T                       [T, H, nope + R]   (q_b_proj)
+    q_nope, q_pe = q.split([nope, R])
+    q_input  = q_nope · W_kc[h]  ‖  RoPE(q_pe; cos, sin)  [T, H, L + R]
+
+W_kc [H, nope, L] is the key half of kv_b_proj's weight seen per head (absorbing it lets attention
+run over the latent cache rows directly; mla_decode). cos and sin are each token's [T, R / 2]
+values: interleaved pairs (x[2i], x[2i+1]) as DeepSeek rotates them, or rotate_half pairs with
+`is_neox`. This is the query part of SGLang's `qkv_proj_with_rope`.
+
+The eager implementation is the reference: q, q_lat and the rotation in fp32, one rounding of the
+output (eager model code rounds q to bf16 before the bmm; the fused path is more accurate).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .rope import SUPPORTED_DTYPES
+
+
+def _fail(message: str) -> None:
+    raise ValueError(f"mla::q_b_absorb: {message}")
+
+
+def check_args(q_a, q_b_weight, w_kc, cos, sin) -> None:
+    for name, t in (("q_a", q_a), ("q_b_weight", q_b_weight), ("w_kc", w_kc), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor):
+            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            _fail(f"{name} must be on the CPU, got {t.device}")
+    if q_a.dtype not in SUPPORTED_DTYPES:
+        _fail(f"q_a has dtype {q_a.dtype}; supported: bfloat16, float16, float32")
+    for name, t in (("q_b_weight", q_b_weight), ("w_kc", w_kc)):
+        if t.dtype != q_a.dtype:
+            _fail(f"{name} has dtype {t.dtype}, expected q_a's dtype {q_a.dtype}")
+    if q_a.dim() != 2:
+        _fail(f"q_a must be [tokens, q_lora_rank], got {list(q_a.shape)}")
+    if w_kc.dim() != 3:
+        _fail(f"w_kc must be [heads, qk_nope_head_dim, kv_lora_rank], got {list(w_kc.shape)}")
+    heads, nope, _ = w_kc.shape
+    if cos.dim() != 2 or cos.shape[0] != q_a.shape[0] or not cos.is_floating_point():
+        _fail(f"cos must be a floating [tokens={q_a.shape[0]}, rope / 2] tensor, got {cos.dtype}{list(cos.shape)}")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        _fail(f"sin must be {cos.dtype}{list(cos.shape)} like cos, got {sin.dtype}{list(sin.shape)}")
+    rope = 2 * cos.shape[1]
+    expected = [heads * (nope + rope), q_a.shape[1]]
+    if q_b_weight.dim() != 2 or list(q_b_weight.shape) != expected:
+        _fail(f"q_b_weight must be [heads * (qk_nope_head_dim + rope), q_lora_rank] = {expected} for w_kc "
+              f"{list(w_kc.shape)}, cos {list(cos.shape)} and q_a {list(q_a.shape)}, got {list(q_b_weight.shape)}")
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+    if is_neox:
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+
+
+@torch.library.custom_op("mla::q_b_absorb", mutates_args=())
+def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+    check_args(q_a, q_b_weight, w_kc, cos, sin)
+    compute = torch.promote_types(q_a.dtype, torch.float32)
+    heads, nope, _ = w_kc.shape
+    q = (q_a.to(compute) @ q_b_weight.to(compute).T).view(q_a.shape[0], heads, -1)
+    q_nope, q_pe = q[..., :nope], q[..., nope:]
+    q_lat = torch.einsum("thd,hdl->thl", q_nope, w_kc.to(compute))
+    q_pe = _rotate(q_pe, cos.to(compute)[:, None], sin.to(compute)[:, None], is_neox)
+    return torch.cat([q_lat, q_pe], dim=-1).to(q_a.dtype)
+
+
+@q_b_absorb.register_fake
+def _(q_a, q_b_weight, w_kc, cos, sin, is_neox):
+    check_args(q_a, q_b_weight, w_kc, cos, sin)
+    return q_a.new_empty(q_a.shape[0], w_kc.shape[0], w_kc.shape[2] + 2 * cos.shape[1])
+
+
+def reference_fp64(q_a, q_b_weight, w_kc, cos, sin, is_neox) -> Tensor:
+    """An independent fp64 computation, head by head, for tests."""
+    d = torch.float64
+    heads, nope, latent = w_kc.shape
+    half = cos.shape[1]
+    q = q_a.to(d) @ q_b_weight.to(d).T
+    out = torch.empty(q_a.shape[0], heads, latent + 2 * half, dtype=d)
+    for h in range(heads):
+        head = q[:, h * (nope + 2 * half) : (h + 1) * (nope + 2 * half)]
+        out[:, h, :latent] = head[:, :nope] @ w_kc[h].to(d)
+        pe = head[:, nope:]
+        for i in range(half):
+            ia, ib = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
+            c, s = cos[:, i].to(d), sin[:, i].to(d)
+            out[:, h, latent + ia] = pe[:, ia] * c - pe[:, ib] * s
+            out[:, h, latent + ib] = pe[:, ib] * c + pe[:, ia] * s
+    return out

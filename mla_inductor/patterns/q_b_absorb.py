@@ -1,0 +1,99 @@
+"""q_b_absorb: the query side of absorbed MLA decode into `mla::q_b_absorb`.
+
+Serving code (SGLang / vLLM torch-native backends, models/mla.py) builds the decode query as:
+q_b_proj of the normed q latent, the split of each head into q_nope | q_pe, q_nope absorbed into
+latent space by a bmm with W_kc ([H, nope, L], a view of kv_b_proj's weight), DeepSeek's interleaved RoPE on q_pe,
+both written into one [tokens, heads, kv_lora_rank + rope] query. The op computes all of it from
+the fp32 GEMM row, on the projection templates' GEMM.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.pattern_matcher import Match
+
+from ..lowerings.segment_gemm import template_wins
+from ..ops.q_b_absorb import check_args
+from . import node_value, register_fusion
+
+FUSION = "q_b_absorb"
+
+
+def _upcast(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rope_interleaved(x, cos, sin):
+    """DeepSeek's rope: pairs (x[2i], x[2i+1]) rotated by frequency i, in fp32."""
+    x1, x2 = _upcast(x[..., 0::2]), _upcast(x[..., 1::2])
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+# --- search function: the model code -------------------------------------------------------------
+
+
+def absorbed_query(q_a, q_b_weight, w_kc, cos, sin):
+    """q_a [T, q_lora_rank] (normed), w_kc [H, nope, L], cos/sin [T, rope / 2] -> [T, H, L + rope]."""
+    heads, nope, kv_lora_rank = w_kc.shape
+    rope = 2 * cos.shape[-1]
+    q = F.linear(q_a, q_b_weight)
+    q_nope, q_pe = q.view(-1, heads, nope + rope).split([nope, rope], dim=-1)
+    q_pe = rope_interleaved(q_pe, cos[:, None, :], sin[:, None, :])
+    q_input = q_a.new_empty(q_a.shape[0], heads, kv_lora_rank + rope)
+    q_input[..., :kv_lora_rank] = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+    q_input[..., kv_lora_rank:] = q_pe
+    return q_input
+
+
+def absorbed_query_replacement(q_a, q_b_weight, w_kc, cos, sin):
+    return torch.ops.mla.q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, False)
+
+
+# --- preconditions --------------------------------------------------------------------------------
+
+
+def _hint(size) -> int:
+    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
+
+
+def check(match: Match) -> Optional[str]:
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
+    q_a, w_kc = kw["q_a"], kw["w_kc"]
+    rows = _hint(q_a.shape[0])
+    if not template_wins(rows, q_a.dtype):
+        return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
+    try:
+        check_args(q_a, kw["q_b_weight"], w_kc, kw["cos"], kw["sin"])
+    except ValueError as error:
+        return str(error).removeprefix("mla::q_b_absorb: ")
+    return None
+
+
+# --- registration ---------------------------------------------------------------------------------
+
+
+def _example_inputs(dtype: torch.dtype) -> list:
+    """All sizes distinct, so that no view or split traces as a no-op."""
+    tokens, q_lora_rank, heads, nope, kv_lora_rank, rope = 5, 24, 3, 8, 20, 6
+    return [
+        torch.empty(tokens, q_lora_rank, dtype=dtype),
+        torch.empty(heads * (nope + rope), q_lora_rank, dtype=dtype),
+        torch.empty(heads, nope, kv_lora_rank, dtype=dtype),
+        torch.empty(tokens, rope // 2, dtype=dtype),
+        torch.empty(tokens, rope // 2, dtype=dtype),
+    ]
+
+
+def register() -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        register_fusion(
+            FUSION,
+            absorbed_query,
+            absorbed_query_replacement,
+            _example_inputs(dtype),
+            check,
+            functionalize=True,  # the query is assembled in place
+        )

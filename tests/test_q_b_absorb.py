@@ -1,0 +1,190 @@
+"""q_b_absorb: the op, its C++ template (NT and packed GEMM), the pattern (where it fires and where not),
+the serving model."""
+
+import functools
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import mla_inductor
+from mla_inductor import benchmarking
+from mla_inductor.lowerings.segment_gemm import can_pack
+from mla_inductor.models import build_model, get_config, make_block_tables
+from mla_inductor.ops.q_b_absorb import reference_fp64
+
+from graph_utils import rewritten
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+op = torch.ops.mla.q_b_absorb
+
+
+def make_args(tokens, dtype, heads=3, nope=16, rope=8, latent=40, q_lora_rank=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    angles = torch.rand(tokens, rope // 2, generator=g) * 6.3
+    return dict(
+        q_a=randn(tokens, q_lora_rank),
+        q_b_weight=randn(heads * (nope + rope), q_lora_rank, scale=q_lora_rank**-0.5),
+        w_kc=randn(heads, nope, latent, scale=nope**-0.5),
+        cos=angles.cos().to(dtype),
+        sin=angles.sin().to(dtype),
+    )
+
+
+def assert_matches_fp64(out, args, is_neox):
+    reference = reference_fp64(**args, is_neox=is_neox)
+    tol = TOLERANCE[args["q_a"].dtype]
+    assert out.dtype == args["q_a"].dtype and out.shape == reference.shape
+    torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
+    return (out.double() - reference).abs().max().item()
+
+
+# --- the op ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_op_matches_fp64_reference(dtype, is_neox):
+    args = make_args(5, dtype)
+    assert_matches_fp64(op(**args, is_neox=is_neox), args, is_neox)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q_a=torch.zeros(2, 5, 48)), r"q_a must be \[tokens, q_lora_rank\]"),
+        (dict(q_b_weight=torch.zeros(71, 48)), r"q_b_weight must be \[heads \* \(qk_nope_head_dim \+ rope\)"),
+        (dict(w_kc=torch.zeros(3, 16)), r"w_kc must be \[heads, qk_nope_head_dim, kv_lora_rank\]"),
+        (dict(w_kc=torch.zeros(3, 16, 40, dtype=torch.float64)), "w_kc has dtype torch.float64"),
+        (dict(cos=torch.zeros(4, 4)), r"cos must be a floating \[tokens=5, rope / 2\]"),
+        (dict(sin=torch.zeros(5, 3)), r"sin must be torch.float32\[5, 4\] like cos"),
+        (dict(q_a=torch.zeros(5, 48, device="meta")), "q_a must be on the CPU"),
+    ],
+)
+def test_op_rejects_bad_input_naming_the_argument(change, message):
+    args = dict(make_args(5, torch.float32), **change)
+    with pytest.raises(ValueError, match=message):
+        op(**args, is_neox=False)
+
+
+# --- the template ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def compiled_op(is_neox):
+    """Token count dynamic: one compile per rotation style (and dtype) serves every row count."""
+    return torch.compile(lambda q_a, q_b_weight, w_kc, cos, sin: op(q_a, q_b_weight, w_kc, cos, sin, is_neox))
+
+
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_template_matches_reference_and_is_no_less_accurate_than_eager(dtype, is_neox):
+    for tokens in (1, 3, 17, 64):
+        args = make_args(tokens, dtype, seed=tokens)
+        torch._dynamo.maybe_mark_dynamic(args["q_a"], 0)
+        torch._dynamo.maybe_mark_dynamic(args["cos"], 0)
+        torch._dynamo.maybe_mark_dynamic(args["sin"], 0)
+        out, (code,) = run_and_get_code(compiled_op(is_neox), **args)
+        assert "mi::absorb_row" in code and "torch.ops.mla.q_b_absorb" not in code
+        ours = assert_matches_fp64(out, args, is_neox)
+        eager = (op(**args, is_neox=is_neox).double() - reference_fp64(**args, is_neox=is_neox)).abs().max().item()
+        assert ours <= 2 * eager + 1e-7, (tokens, ours, eager)
+
+
+class DirectCall(nn.Module):
+    def __init__(self, args):
+        super().__init__()
+        self.q_b_weight = nn.Parameter(args["q_b_weight"], requires_grad=False)
+        self.w_kc = nn.Parameter(args["w_kc"], requires_grad=False)
+
+    def forward(self, q_a, cos, sin):
+        return op(q_a, self.q_b_weight, self.w_kc, cos, sin, False)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX512-BF16")
+def test_template_with_q_b_weight_packed_under_freezing():
+    args = make_args(3, torch.bfloat16, q_lora_rank=99, heads=2, nope=24, rope=8)  # odd K, a partial block
+    model = DirectCall(args).eval()
+    torch._dynamo.reset()
+    with benchmarking.inference_freezing(), torch.no_grad():
+        out, (code,) = run_and_get_code(torch.compile(model), args["q_a"], args["cos"], args["sin"])
+    assert "mi::packed_task" in code and "mi::nt_task" not in code
+    assert_matches_fp64(out, args, False)
+
+
+# --- the pattern -----------------------------------------------------------------------------------
+
+
+def rope_interleaved(x, cos, sin):
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def rope_neox(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def serving_query(q_a, q_b_weight, kv_b_weight, cos, sin, rope=rope_interleaved):
+    """The decode query as serving code builds it (models/mla.py), followed by a consumer."""
+    heads, nope, latent = 3, 16, 40
+    q = F.linear(q_a, q_b_weight)
+    q_nope, q_pe = q.view(-1, heads, nope + 8).split([nope, 8], dim=-1)
+    q_pe = rope(q_pe, cos[:, None, :], sin[:, None, :])
+    w_kc = kv_b_weight.view(heads, nope + 16, latent)[:, :nope]
+    q_input = q_a.new_empty(q_a.shape[0], heads, latent + 8)
+    q_input[..., :latent] = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
+    q_input[..., latent:] = q_pe
+    return q_input * 2
+
+
+def serving_inputs():
+    args = make_args(5, torch.bfloat16)
+    kv_b_weight = torch.randn(3 * (16 + 16), 40).to(torch.bfloat16)
+    return args["q_a"], args["q_b_weight"], kv_b_weight, args["cos"], args["sin"]
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_serving_query_joint(self):
+        graph = rewritten(serving_query, *serving_inputs())
+        self.assertExpectedInline(graph, """\
+view_2 = view(arg4_1, [3, 32, 40])
+slice_3 = slice.Tensor(view_2, 1, 0, 16)
+q_b_absorb_default = mla.q_b_absorb(arg0_1, arg1_1, slice_3, arg2_1, arg3_1, False)
+mul_4 = mul.Tensor(q_b_absorb_default, 2)""")
+
+    def test_not_for_a_neox_rotation(self):
+        graph = rewritten(functools.partial(serving_query, rope=rope_neox), *serving_inputs())
+        self.assertNotIn("q_b_absorb", graph)
+
+    def test_not_when_switched_off(self):
+        graph = rewritten(serving_query, *serving_inputs(), fusions={"q_b_absorb": False})
+        self.assertNotIn("q_b_absorb", graph)
+
+
+# --- the serving model -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_serving_model_decode_fires_per_layer_and_matches_eager(freezing):
+    config = get_config("tiny", num_layers=2)
+    model = build_model(config, dtype=torch.bfloat16).eval()
+    block_tables, num_blocks = make_block_tables(3, 40, 16)
+    caches = model.allocate_kv_cache(num_blocks, 16)
+    for c in caches:
+        c.normal_()
+    args = (torch.tensor([5, 7, 9]), block_tables, torch.tensor([17, 33, 1]))
+    mla_inductor.reset_counts()
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+        expected = model.forward_decode(args[0], [c.clone() for c in caches], *args[1:])
+        actual = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=True)(args[0], caches, *args[1:])
+    assert mla_inductor.fusion_counts()["q_b_absorb"] == config.num_layers
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
