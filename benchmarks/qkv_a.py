@@ -1,11 +1,8 @@
 """qkv_a_proj at the deepseek-v3-tp22 shape (hidden 7168 -> 1536 + 576): a stack of layers whose
 A-projection weights exceed 128 MiB, so that decode streams them from memory.
 
-Prints medians of interleaved rounds for eager, stock torch.compile, stock frozen with
-concat-linear ("stock at its best" is the faster of the two), and mla_inductor (frozen and not),
-with the fraction of the roofline: the larger of the weight bytes at the copy bandwidth (timed as
-one more variant in the same interleaved rounds, so that it saw the same machine) and the FLOPs at
-oneDNN's bf16 GEMM throughput. Asserts nothing.
+Prints `benchmarking.weight_stream_table`: medians of interleaved rounds for eager, stock, stock at
+its best and mla_inductor, against the roofline measured in the same rounds. Asserts nothing.
 
     python benchmarks/qkv_a.py [--rows 1 8 512] [--layers 6] [--template-max-rows N]
 """
@@ -15,7 +12,6 @@ import argparse
 import torch
 from torch import nn
 
-import mla_inductor
 from mla_inductor import benchmarking
 from mla_inductor.lowerings import segment_gemm
 from mla_inductor.models.mla import RMSNorm, init_weights_
@@ -61,48 +57,11 @@ def main():
     torch._inductor.config.fx_graph_cache = False
 
     model = init_weights_(Stack(args.layers), seed=0).to(torch.bfloat16).eval()
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     flop_per_row = 2 * sum(l.fused_qkv_a_proj_with_mqa.weight.numel() for l in model.layers)
-    bandwidth = benchmarking.copy_bandwidth()
-    read = benchmarking.read_bandwidth()
-    gemm = benchmarking.gemm_throughput()
-    print(f"weights {weight_bytes / 2**20:.0f} MiB in {args.layers} layers; copy bandwidth {bandwidth / 1e9:.1f} GB/s; "
-          f"read bandwidth {read / 1e9:.1f} GB/s; oneDNN bf16 GEMM {gemm / 1e9:.0f} GFLOP/s; "
-          f"threads {torch.get_num_threads()}")
-    frozen = {"freezing": True, "cpp.enable_concat_linear": True}
-    copy_probe = benchmarking.copy_probe()
-    print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "
-          "| copy GB/s in the rounds | roofline: copy bw | roofline: read bw | weights GB/s | fired |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for rows in args.rows:
-        x = torch.randn(rows, 7168).to(torch.bfloat16)
-        variants = {
-            "eager": (model, None, False),
-            "stock": (torch.compile(model, dynamic=False), None, False),
-            "stock frozen": (torch.compile(model, dynamic=False, options=frozen), None, True),
-            "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), None, False),
-            "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), None, True),
-        }
-        fns = {}
-        mla_inductor.reset_counts()
-        for name, (fn, _, freeze) in variants.items():
-            with torch.no_grad(), (benchmarking.inference_freezing() if freeze else torch.no_grad()):
-                fn(x)
-            fns[name] = lambda fn=fn: fn(x)
-        fired = mla_inductor.fusion_counts()["qkv_a_proj"]
-        fns["copy"], copy_bytes = copy_probe
-        with torch.no_grad():
-            t = benchmarking.interleaved_medians(fns, rounds=args.rounds, calls=5)
-        copy_in_rounds = copy_bytes / t["copy"]
-        best_stock = min(t["stock"], t["stock frozen"])
-        best_mla = min(t["mla"], t["mla frozen"])
-        compute = rows * flop_per_row / gemm
-        roofline_copy = max(weight_bytes / copy_in_rounds, compute)
-        roofline_read = max(weight_bytes / read, compute)
-        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in variants)
-              + f" | {best_stock / best_mla:.2f} | {copy_in_rounds / 1e9:.1f} | {roofline_copy / best_mla:.0%}"
-              f" | {roofline_read / best_mla:.0%} | {weight_bytes / best_mla / 1e9:.1f} | {fired} |", flush=True)
-        torch._dynamo.reset()
+    benchmarking.weight_stream_table(
+        model, lambda rows: (torch.randn(rows, 7168).to(torch.bfloat16),), args.rows, flop_per_row, "qkv_a_proj",
+        args.rounds,
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -84,3 +84,62 @@ def inference_freezing(enable_concat_linear: bool = True):
     """
     with torch._inductor.config.patch(freezing=True, **{"cpp.enable_concat_linear": enable_concat_linear}):
         yield
+
+
+def weight_stream_table(
+    model: torch.nn.Module,
+    make_input: Callable[[int], tuple],
+    rows_list: Sequence[int],
+    flop_per_row: float,
+    fusion: str,
+    rounds: int = 9,
+    weight_bytes: Optional[int] = None,
+) -> None:
+    """Print, per row count, a projection stack's medians for eager, stock torch.compile, stock frozen
+    with concat-linear ("stock at its best" is the faster of the two) and mla_inductor (frozen and
+    not), against the roofline: the larger of the weight bytes at the copy bandwidth (timed as one
+    more variant in the same interleaved rounds, so that it saw the same machine) and the FLOPs at
+    oneDNN's bf16 GEMM throughput. `fusion` names the count to report; `weight_bytes` are the bytes a
+    call must read (default: all of the model's parameters)."""
+    import mla_inductor
+
+    if weight_bytes is None:
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read = read_bandwidth()
+    gemm = gemm_throughput()
+    print(f"weights {weight_bytes / 2**20:.0f} MiB; read bandwidth {read / 1e9:.1f} GB/s; "
+          f"oneDNN bf16 GEMM {gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
+    frozen = {"freezing": True, "cpp.enable_concat_linear": True}
+    copy, copy_bytes = copy_probe()
+    print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "
+          "| copy GB/s in the rounds | roofline: copy bw | roofline: read bw | weights GB/s | fired |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for rows in rows_list:
+        inputs = make_input(rows)
+        variants = {
+            "eager": (model, False),
+            "stock": (torch.compile(model, dynamic=False), False),
+            "stock frozen": (torch.compile(model, dynamic=False, options=frozen), True),
+            "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), False),
+            "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), True),
+        }
+        fns = {}
+        mla_inductor.reset_counts()
+        for name, (fn, freeze) in variants.items():
+            with torch.no_grad(), (inference_freezing() if freeze else contextlib.nullcontext()):
+                fn(*inputs)
+            fns[name] = lambda fn=fn: fn(*inputs)
+        fired = mla_inductor.fusion_counts()[fusion]
+        fns["copy"] = copy
+        with torch.no_grad():
+            t = interleaved_medians(fns, rounds=rounds, calls=5)
+        copy_in_rounds = copy_bytes / t["copy"]
+        best_stock = min(t["stock"], t["stock frozen"])
+        best_mla = min(t["mla"], t["mla frozen"])
+        compute = rows * flop_per_row / gemm
+        roofline_copy = max(weight_bytes / copy_in_rounds, compute)
+        roofline_read = max(weight_bytes / read, compute)
+        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in variants)
+              + f" | {best_stock / best_mla:.2f} | {copy_in_rounds / 1e9:.1f} | {roofline_copy / best_mla:.0%}"
+              f" | {roofline_read / best_mla:.0%} | {weight_bytes / best_mla / 1e9:.1f} | {fired} |", flush=True)
+        torch._dynamo.reset()
