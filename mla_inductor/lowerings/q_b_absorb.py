@@ -11,7 +11,7 @@ from torch._inductor.select_algorithm import autotune_select_algorithm
 
 from .. import config as mla_config
 from . import FusedOpTemplate, realize_input
-from .segment_gemm import packed_weights
+from .segment_gemm import frozen_values, packed_constant
 
 OP = torch.ops.mla.q_b_absorb.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -27,7 +27,7 @@ class QBAbsorbTemplate(FusedOpTemplate):
         assert not epilogue_nodes, "epilogue fusion is disabled for this template"
         y = template_buffer_node if template_buffer_node is not None else self.output_node
         x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]
-        packed = self.inputs["WP"] is not None
+        packed = self.inputs["WP"] is not None  # then W_kc is packed too (WKC_P), and W_KC absent
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
         return self.render_source(
             "q_b_absorb.cpp.j2",
@@ -39,8 +39,8 @@ class QBAbsorbTemplate(FusedOpTemplate):
             M=kernel.size(x, 0),
             ldx=kernel.stride(x, 0),
             ldw=None if packed else kernel.stride(wqb, 0),
-            w_kc_stride_h=kernel.stride(w_kc, 0),
-            w_kc_stride_d=kernel.stride(w_kc, 1),
+            w_kc_stride_h=None if packed else kernel.stride(w_kc, 0),
+            w_kc_stride_d=None if packed else kernel.stride(w_kc, 1),
             ld_cos=kernel.stride(self.inputs["COS"], 0),
             ld_sin=kernel.stride(self.inputs["SIN"], 0),
             is_neox=self.is_neox,
@@ -67,12 +67,19 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
         or cos.get_dtype() not in SUPPORTED_DTYPES
     ):
         return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, is_neox)
-    packed = packed_weights(q_a.get_dtype(), q_b_weight)
+    frozen = frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
+    packed = packed_w_kc = None
+    if frozen is not None:
+        packed = packed_constant(frozen[0])
+        # each head's W_kc^T [kv_lora_rank, nope] as a Linear-style weight: the absorption of a head
+        # is then one packed GEMM over its tokens
+        packed_w_kc = packed_constant(*(w.T for w in frozen[1]))
     inputs = {
         "Q_A": realize_input(q_a),
         "WQB": None if packed else realize_input(q_b_weight),
         "WP": packed,
-        "W_KC": realize_input(w_kc),
+        "W_KC": None if packed else realize_input(w_kc),
+        "WKC_P": packed_w_kc,
         "COS": realize_input(cos),
         "SIN": realize_input(sin),
     }

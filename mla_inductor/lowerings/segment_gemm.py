@@ -56,12 +56,21 @@ def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
     return torch.cat(blocks, out=packed)
 
 
-def packed_weights(dtype: torch.dtype, *weights) -> Optional[ir.IRNode]:
-    """Under freezing, the lowering arguments `weights` packed into one constant of VNNI blocks (each
-    weight's blocks in turn) when all are frozen and `can_pack(dtype)`; else None (use them as they are)."""
+def frozen_values(dtype: torch.dtype, *weights) -> Optional[list[torch.Tensor]]:
+    """Under freezing, the values of the lowering arguments `weights` when all are frozen and
+    `can_pack(dtype)`: what the packed path needs. Else None (use the weights as they are)."""
     if not inductor_config.freezing or not can_pack(dtype):
         return None
     values = [frozen_value(w) for w in weights]
-    if any(v is None for v in values):
-        return None
+    return None if any(v is None for v in values) else values
+
+
+def packed_constant(*values: torch.Tensor) -> ir.IRNode:
+    """[N_i, K] weight values packed into one constant of VNNI blocks (each weight's blocks in turn)."""
     return realize_input(V.graph.add_tensor_constant(pack_vnni_blocks(*values)))
+
+
+def packed_weights(dtype: torch.dtype, *weights) -> Optional[ir.IRNode]:
+    """`weights` as one packed constant when the packed path applies (frozen_values), else None."""
+    values = frozen_values(dtype, *weights)
+    return None if values is None else packed_constant(*values)

@@ -122,7 +122,7 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
 
 // A GEMM out[M, N] = x[M, K] . W[N, K]^T over W packed into blocks (all of N's blocks in a row of
 // `packed`) as parallel tasks: one block each, every row of x passing over it while it is in cache.
-inline int64_t packed_tasks(int64_t N) { return (N + kPackedCols - 1) / kPackedCols; }
+constexpr int64_t packed_tasks(int64_t N) { return (N + kPackedCols - 1) / kPackedCols; }
 
 inline void packed_task(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* packed,
                         int64_t N, int64_t K, float* out, int64_t ldo) {
