@@ -98,6 +98,15 @@ def test_template_matches_reference_and_is_no_less_accurate_than_eager(dtype, is
         assert ours <= 2 * eager + 1e-7, (tokens, ours, eager)
 
 
+def test_template_w_kc_as_a_transposed_view():
+    """SGLang passes W_kc as [H, L, nope]: its transpose has stride 1 in the middle dim, not the last,
+    and must reach the kernel as rows dense along kv_lora_rank."""
+    args = make_args(3, torch.bfloat16)
+    w_kc_sglang = args["w_kc"].transpose(1, 2).contiguous()
+    fn = torch.compile(lambda q_a, q_b_weight, w, cos, sin: op(q_a, q_b_weight, w.transpose(1, 2), cos, sin, False))
+    assert_matches_fp64(fn(args["q_a"], args["q_b_weight"], w_kc_sglang, args["cos"], args["sin"]), args, False)
+
+
 class DirectCall(nn.Module):
     def __init__(self, args):
         super().__init__()

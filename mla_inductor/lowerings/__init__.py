@@ -34,11 +34,21 @@ def template_source(name: str) -> str:
 
 
 def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
-    """A lowering argument as a template input: a buffer, dense in its last dim (or wholly contiguous)."""
+    """A lowering argument as a template input: a buffer, dense in its last dim (or wholly contiguous).
+
+    Not `ExternKernel.require_stride1`: that accepts a stride of 1 in *any* dim, so a transposed view
+    (W_kc^T, say) would reach a kernel that reads rows along the last dim."""
     if t is None:
         return None
     t = ir.ExternKernel.realize_input(t)
-    return ir.ExternKernel.require_contiguous(t) if contiguous else ir.ExternKernel.require_stride1(t)
+    if contiguous:
+        return ir.ExternKernel.require_contiguous(t)
+    if ir.is_storage_and_layout(t) and not isinstance(t.get_layout(), ir.FlexibleLayout):
+        size, stride = t.get_size(), t.get_stride()
+        sizevars = V.graph.sizevars
+        if size and not (sizevars.statically_known_equals(stride[-1], 1) or sizevars.statically_known_equals(size[-1], 1)):
+            return ir.ExternKernel.require_contiguous(t)
+    return ir.ExternKernel.require_stride1(t)  # a flexible layout becomes contiguous: dense in the last dim
 
 
 def frozen_value(t) -> Optional[torch.Tensor]:
