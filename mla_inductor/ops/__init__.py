@@ -4,3 +4,4 @@ from . import qkv_a  # noqa: F401
 from . import mla_decode  # noqa: F401
 from . import rope  # noqa: F401
 from . import q_b_absorb  # noqa: F401
+from . import qkv_proj_with_rope  # noqa: F401
