@@ -73,7 +73,7 @@ class RotaryEmbeddingTemplate(FusedOpTemplate):
         )
 
 
-def _template_can_serve(positions, query, key, cos_sin_cache) -> bool:
+def _template_can_serve(positions, query, cos_sin_cache) -> bool:
     return (
         mla_config.active().cpp_templates
         and query.get_device().type == "cpu"
@@ -86,7 +86,7 @@ def _template_can_serve(positions, query, key, cos_sin_cache) -> bool:
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
     dims = _compile_time_dims(positions, query, key, head_size, cos_sin_cache)
-    if dims is None or not _template_can_serve(positions, query, key, cos_sin_cache):
+    if dims is None or not _template_can_serve(positions, query, cos_sin_cache):
         return L.fallback_handler(OP, add_to_fallback_set=False)(positions, query, key, head_size, cos_sin_cache,
                                                                  is_neox)
     several_token_dims = len(positions.get_size()) > 1  # then only a contiguous layout collapses them
