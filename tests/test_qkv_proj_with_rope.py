@@ -43,7 +43,7 @@ def inputs(tokens, seed):
 
 
 def call(fn, tokens, seed=0, **changes):
-    """Tokens dynamic, weights static (as parameters are): one compile serves every token count."""
+    """Tokens dynamic (from 2 on: Dynamo specializes a size of 1), weights static as parameters are."""
     hidden, positions = inputs(tokens, seed)
     torch._dynamo.maybe_mark_dynamic(hidden, 0)
     torch._dynamo.maybe_mark_dynamic(positions, 0)
@@ -98,7 +98,7 @@ def test_compiled_runs_the_templates_and_matches_the_reference():
     assert "mi::nt_task" in code and "mi::absorb_row" in code, "the qkv_a_proj and q_b_absorb templates"
     assert "torch.ops.mla" not in code, "no fallback to an eager op"
     assert_matches_per_stage_reference(outputs, 1)
-    assert_matches_per_stage_reference(call(fn, 8, seed=8), 8, seed=8)  # the same compile: tokens are dynamic
+    assert_matches_per_stage_reference(call(fn, 8, seed=8), 8, seed=8)  # recompiles: Dynamo specializes a size of 1
 
 
 @pytest.mark.parametrize(
