@@ -17,7 +17,7 @@ from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
 from mla_inductor.lowerings.segment_gemm import can_pack, pack_vnni_blocks
-from mla_inductor.ops.qkv_a import reference_fp64
+from mla_inductor.ops.qkv_a import reference_fp64, rope_interleaved
 
 from graph_utils import rewritten
 
@@ -160,6 +160,34 @@ def test_template_over_rows_and_row_strides(rows, row_stride_pad, seed):
     padded = torch.randn(rows, 72 + row_stride_pad, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
     args["x"] = padded[:, :72]
     assert_close_to_reference(call(shared_compiled_op(), args), args, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_k_pe_rotated_in_the_template_and_in_eager(dtype):
+    """With k_cos / k_sin, k_pe leaves rotated (DeepSeek's interleaved pairs), from the fp32 row in the
+    template; c_kv and q are unchanged."""
+    args = make_args(5, dtype, hidden=99, nq=40, lora=36, rope=8)
+    angles = torch.rand(5, 4, generator=torch.Generator().manual_seed(1)) * 6.3
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q_ref, c_ref, k_pe_ref = reference_fp64(**args)
+    k_ref = rope_interleaved(k_pe_ref, cos.double(), sin.double())
+    fn = torch.compile(lambda x, qw, kvw, qn, kvn, c, s: op(x, qw, kvw, qn, kvn, 1e-6, 1e-5, k_cos=c, k_sin=s))
+    compiled, (code,) = run_and_get_code(
+        fn, args["x"], args["q_weight"], args["kv_weight"], args["q_norm_weight"], args["kv_norm_weight"], cos, sin
+    )
+    assert "mi::rope<false>" in code and "torch.ops.mla.qkv_a_proj" not in code
+    tol = TOLERANCE[dtype]
+    for outputs in (op(**args, k_cos=cos, k_sin=sin), compiled):
+        for out, ref in zip(outputs, (q_ref, c_ref, k_ref)):
+            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_k_cos_and_k_sin_come_together_in_the_rows_shape():
+    args = make_args(5, torch.float32)
+    with pytest.raises(ValueError, match="k_cos and k_sin come together"):
+        op(**args, k_cos=torch.zeros(5, 4))
+    with pytest.raises(ValueError, match=r"k_sin must be a floating CPU tensor \[5, 4\]"):
+        op(**args, k_cos=torch.zeros(5, 4), k_sin=torch.zeros(4, 4))
 
 
 class DirectCall(nn.Module):

@@ -26,6 +26,9 @@ class QkvAProjTemplate(FusedOpTemplate):
         y = template_buffer_node if template_buffer_node is not None else self.output_node
         x, wq, wkv = self.inputs["X"], self.inputs["WQ"], self.inputs["WKV"]
         packed = self.inputs["WP"] is not None
+        headers = ("widen.h", "nt_dot.h") + (("packed_dot.h",) if packed else ()) + (
+            ("rope.h",) if self.inputs["K_COS"] is not None else ()
+        )
         # Declare the kernel's arguments before anything names a size: sizes named earlier would
         # get symbols the signature does not declare.
         signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
@@ -33,7 +36,7 @@ class QkvAProjTemplate(FusedOpTemplate):
         rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
         return self.render_source(
             "qkv_a_proj.cpp.j2",
-            ("widen.h", "nt_dot.h", "packed_dot.h") if packed else ("widen.h", "nt_dot.h"),
+            headers,
             kernel=kernel,
             signature=signature,
             Y=y,
@@ -47,25 +50,28 @@ class QkvAProjTemplate(FusedOpTemplate):
             ldwkv=None if packed else kernel.stride(wkv, 0),
             x_origin=[0] * len(x_size),
             y_origin=[0] * len(y.get_size()),
+            cos_origin=[0] * len(x_size),
             q_eps=f"{self.q_eps!r}f",
             kv_eps=f"{self.kv_eps!r}f",
         )
 
 
-def _template_can_serve(x, weights) -> bool:
+def _template_can_serve(x, weights, k_cos) -> bool:
     if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
         return False
     if x.get_dtype() not in SUPPORTED_DTYPES or len(x.get_size()) not in (2, 3):
+        return False
+    if k_cos is not None and k_cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
     return all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None,
-                     kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None):
+                     kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None):
     args = (x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias, kv_bias, q_eps_tensor,
-            kv_eps_tensor)
-    if not _template_can_serve(x, (q_weight, kv_weight)):
+            kv_eps_tensor, k_cos, k_sin)
+    if not _template_can_serve(x, (q_weight, kv_weight), k_cos):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
@@ -82,6 +88,8 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
         "KVB": realize_input(kv_bias, True),
         "Q_EPS": realize_input(q_eps_tensor, True),
         "KV_EPS": realize_input(kv_eps_tensor, True),
+        "K_COS": realize_input(k_cos, True),
+        "K_SIN": realize_input(k_sin, True),
     }
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])

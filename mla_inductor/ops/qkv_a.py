@@ -8,6 +8,9 @@
 L = kv_norm_weight.numel(). q_weight is q_a_proj (q_lora_rank rows) or, for models without a q
 LoRA, q_proj with no norm. eps is a float, or a 0-d tensor where `dynamic=True` lifted a module's
 float attribute into a graph input (`q_eps_tensor` / `kv_eps_tensor` then take precedence).
+With `k_cos` and `k_sin` ([..., R / 2] per row, x's leading dims) k_pe leaves rotated by DeepSeek's
+interleaved RoPE, pairs (k_pe[2i], k_pe[2i+1]): the cache row's rope part, as SGLang's
+`qkv_proj_with_rope` writes it.
 
 The eager implementation computes what the matched model code computes (GEMMs in the input dtype
 with fp32 accumulation, norms in fp32, as transformers' DeepseekV3RMSNorm), so a rewrite changes no
@@ -29,7 +32,8 @@ def _fail(message: str) -> None:
     raise ValueError(f"mla::qkv_a_proj: {message}")
 
 
-def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps, kv_eps) -> None:
+def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps, kv_eps,
+               k_cos=None, k_sin=None) -> None:
     """Every precondition of the op, with a message naming the argument."""
     tensors = {"x": x, "q_weight": q_weight, "kv_weight": kv_weight, "kv_norm_weight": kv_norm_weight}
     tensors.update({k: v for k, v in (("q_norm_weight", q_norm_weight), ("q_bias", q_bias), ("kv_bias", kv_bias)) if v is not None})
@@ -66,6 +70,17 @@ def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv
                 _fail(f"{name} tensor must be a 0-d floating tensor, got {eps.dtype}{list(eps.shape)}")
         elif not eps > 0:
             _fail(f"{name} must be > 0, got {eps}")
+    if (k_cos is None) != (k_sin is None):
+        _fail("k_cos and k_sin come together: pass both to rotate k_pe, or neither")
+    if k_cos is not None:
+        rope = kv_weight.shape[0] - kv_norm_weight.shape[0]
+        expected = [*x.shape[:-1], rope // 2]
+        for name, t in (("k_cos", k_cos), ("k_sin", k_sin)):
+            if not isinstance(t, Tensor) or not t.is_floating_point() or list(t.shape) != expected or t.device.type != "cpu":
+                _fail(f"{name} must be a floating CPU tensor {expected} (x's rows by rope / 2 = {rope} / 2), got "
+                      f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}")
+        if rope % 2:
+            _fail(f"rotating k_pe needs an even rope width, got {rope}")
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps) -> Tensor:
@@ -86,26 +101,38 @@ def qkv_a_proj(
     kv_bias: Optional[Tensor] = None,
     q_eps_tensor: Optional[Tensor] = None,
     kv_eps_tensor: Optional[Tensor] = None,
+    k_cos: Optional[Tensor] = None,
+    k_sin: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     q_eps_value = q_eps_tensor if q_eps_tensor is not None else q_eps
     kv_eps_value = kv_eps_tensor if kv_eps_tensor is not None else kv_eps
-    check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps_value, kv_eps_value)
+    check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps_value, kv_eps_value,
+               k_cos, k_sin)
     L = kv_norm_weight.shape[0]
     q = torch.nn.functional.linear(x, q_weight, q_bias)
     kv = torch.nn.functional.linear(x, kv_weight, kv_bias)
     if q_norm_weight is not None:
         q = _rms_norm(q, q_norm_weight, q_eps_value)
     c_kv = _rms_norm(kv[..., :L], kv_norm_weight, kv_eps_value)
-    return q.contiguous(), c_kv.contiguous(), kv[..., L:].contiguous()
+    k_pe = kv[..., L:] if k_cos is None else rope_interleaved(kv[..., L:], k_cos, k_sin)
+    return q.contiguous(), c_kv.contiguous(), k_pe.contiguous()
+
+
+def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """DeepSeek's rope of pairs (x[2i], x[2i+1]) by (cos[i], sin[i]), in fp32, rounded once."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
+    cos, sin = cos.to(compute), sin.to(compute)
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
 
 
 @qkv_a_proj.register_fake
 def _(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None,
-      q_eps_tensor=None, kv_eps_tensor=None):
+      q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None):
     # Same checks while tracing: bad input fails at compile time with the same message.
     check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias,
                q_eps_tensor if q_eps_tensor is not None else q_eps,
-               kv_eps_tensor if kv_eps_tensor is not None else kv_eps)
+               kv_eps_tensor if kv_eps_tensor is not None else kv_eps, k_cos, k_sin)
     lead = x.shape[:-1]
     L = kv_norm_weight.shape[0]
     return (

@@ -11,8 +11,8 @@ RoPE is DeepSeek's interleaved (GPT-J) rotation. `qkv_proj_with_rope_fused_weigh
 concatenated ([q_lora_rank + kv_lora_rank + rope, hidden], serving code's `fused_qkv_a_proj_with_mqa`).
 
 Both are CompositeImplicitAutograd: eager calls run the mla:: ops' references, and under torch.compile
-the call decomposes into `mla::qkv_a_proj` and `mla::q_b_absorb`, which lower to their C++ templates,
-with the cos/sin gather and the k_pe rotation left to Inductor's pointwise fusion. Rounding: q_a and
+the call decomposes into `mla::qkv_a_proj` (which rotates k_pe too) and `mla::q_b_absorb`, which lower
+to their C++ templates; the cos/sin gather and the concatenation are Inductor's own kernels. Rounding: q_a and
 c_kv once after their norms, q_input and the rotated k_pe once each (SGLang rounds the q side four times).
 """
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 import torch._guards
-from torch import Tensor
+
+from .qkv_a import rope_interleaved
 
 _LIB = torch.library.Library("mla", "FRAGMENT")
 _LIB.define(
@@ -61,22 +62,15 @@ def _check(hidden, w_kc, kv_a_norm_weight, kv_a_rows, positions, cos_sin_cache) 
                   f"in [{low}, {high}]")
 
 
-def _rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    compute = torch.promote_types(x.dtype, torch.float32)
-    a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
-    cos, sin = cos.to(compute), sin.to(compute)
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
-
-
 def _chain(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weight, w_kc, q_a_norm_weight, kv_a_norm_weight,
            positions, cos_sin_cache, eps):
     _check(hidden, w_kc, kv_a_norm_weight, kv_a_proj_weight.shape[0], positions, cos_sin_cache)
-    q_a, c_kv, k_pe = torch.ops.mla.qkv_a_proj(
-        hidden, q_a_proj_weight, kv_a_proj_weight, q_a_norm_weight, kv_a_norm_weight, eps, eps
-    )
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    q_a, c_kv, k_pe = torch.ops.mla.qkv_a_proj(
+        hidden, q_a_proj_weight, kv_a_proj_weight, q_a_norm_weight, kv_a_norm_weight, eps, eps, k_cos=cos, k_sin=sin
+    )
     q_input = torch.ops.mla.q_b_absorb(q_a, q_b_proj_weight, w_kc.transpose(1, 2), cos, sin, False)
-    k_input = torch.cat([c_kv, _rope_interleaved(k_pe, cos, sin)], dim=-1).unsqueeze(1)
+    k_input = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)
     return q_input, k_input, k_input[..., : c_kv.shape[-1]]
 
 
@@ -118,7 +112,7 @@ def reference_per_stage(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weig
     q = stage(q_a @ q_b_proj_weight.to(compute).T).view(-1, heads, q_b_proj_weight.shape[0] // heads)
     q_lat = stage(torch.einsum("thd,hld->thl", q[..., :nope], w_kc.to(compute)))
     cos, sin = cos_sin_cache[positions].to(compute).chunk(2, dim=-1)
-    q_pe = stage(_rope_interleaved(q[..., nope:], cos[:, None], sin[:, None]))
-    k_pe = stage(_rope_interleaved(k_pe, cos, sin))
+    q_pe = stage(rope_interleaved(q[..., nope:], cos[:, None], sin[:, None]))
+    k_pe = stage(rope_interleaved(k_pe, cos, sin))
     q_input, k_input = torch.cat([q_lat, q_pe], -1), torch.cat([c_kv, k_pe], -1).unsqueeze(1)
     return (q_input, k_input) if exact else (q_input.to(dtype), k_input.to(dtype))
