@@ -188,6 +188,8 @@ def test_k_cos_and_k_sin_come_together_in_the_rows_shape():
         op(**args, k_cos=torch.zeros(5, 4))
     with pytest.raises(ValueError, match=r"k_sin must be a floating CPU tensor \[5, 4\]"):
         op(**args, k_cos=torch.zeros(5, 4), k_sin=torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="k_sin has dtype torch.float64, expected k_cos's dtype torch.float32"):
+        op(**args, k_cos=torch.zeros(5, 4), k_sin=torch.zeros(5, 4, dtype=torch.float64))
 
 
 class DirectCall(nn.Module):

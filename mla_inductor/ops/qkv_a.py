@@ -79,6 +79,8 @@ def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv
             if not isinstance(t, Tensor) or not t.is_floating_point() or list(t.shape) != expected or t.device.type != "cpu":
                 _fail(f"{name} must be a floating CPU tensor {expected} (x's rows by rope / 2 = {rope} / 2), got "
                       f"{getattr(t, 'dtype', type(t).__name__)}{list(getattr(t, 'shape', []))}")
+        if k_sin.dtype != k_cos.dtype:
+            _fail(f"k_sin has dtype {k_sin.dtype}, expected k_cos's dtype {k_cos.dtype}")
         if rope % 2:
             _fail(f"rotating k_pe needs an even rope width, got {rope}")
 
