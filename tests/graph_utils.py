@@ -1,4 +1,4 @@
-"""Helpers to look at graphs after MLAPass, for expecttest."""
+"""Helpers for the fusion tests: graphs after MLAPass, and a decode step of the serving model."""
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -48,3 +48,21 @@ def rewritten(fn, *args, stage="joint", freezing=False, dynamic=False, **own_opt
     with torch.no_grad(), torch._inductor.config.patch(freezing=freezing, fx_graph_cache=False):
         torch.compile(fn, options=options, dynamic=dynamic)(*args)
     return capture.graphs[0]
+
+
+def serving_model_decode(num_layers, seq_lens, dynamic=False, freezing=False):
+    """One decode step of a tiny bf16 serving model (models/mla.py) whose paged caches hold noise, for
+    requests of `seq_lens`, run eagerly and through the mla_inductor backend: (eager, compiled) logits."""
+    from mla_inductor.models import build_model, get_config, make_block_tables
+
+    model = build_model(get_config("tiny", num_layers=num_layers), dtype=torch.bfloat16).eval()
+    block_tables, num_blocks = make_block_tables(len(seq_lens), 40, 16)
+    caches = model.allocate_kv_cache(num_blocks, 16)
+    for c in caches:
+        c.normal_()
+    ids, lens = torch.arange(5, 5 + 2 * len(seq_lens), 2), torch.tensor(seq_lens)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+        expected = model.forward_decode(ids, [c.clone() for c in caches], block_tables, lens)
+        compiled = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=dynamic)
+        return expected, compiled(ids, caches, block_tables, lens)

@@ -14,11 +14,11 @@ from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from mla_inductor.models import build_model, get_config, make_block_tables
+from mla_inductor.models import get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
 
-from graph_utils import rewritten
+from graph_utils import rewritten, serving_model_decode
 
 op = torch.ops.mla.latent_decode_attention
 LORA, ROPE = 512, 64
@@ -316,17 +316,8 @@ mul_1 = mul.Tensor(permute_4, 2)""")
 
 
 def test_serving_model_decode_fires_per_layer_and_matches_eager():
-    config = get_config("tiny", num_layers=2)
-    model = build_model(config, dtype=torch.bfloat16)
-    block_tables, num_blocks = make_block_tables(3, 40, 16)
-    caches = model.allocate_kv_cache(num_blocks, 16)
-    for c in caches:
-        c.normal_()
-    args = (torch.tensor([5, 7, 9]), block_tables, torch.tensor([17, 33, 1]))
-    with torch.no_grad():
-        expected = model.forward_decode(args[0], [c.clone() for c in caches], *args[1:])
-        actual = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=True)(args[0], caches, *args[1:])
-    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True)
+    assert mla_inductor.fusion_counts()["mla_decode"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
 
 

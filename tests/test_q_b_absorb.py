@@ -13,10 +13,9 @@ from torch._inductor.utils import run_and_get_code
 import mla_inductor
 from mla_inductor import benchmarking
 from mla_inductor.lowerings.segment_gemm import can_pack
-from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.ops.q_b_absorb import reference_fp64
 
-from graph_utils import rewritten
+from graph_utils import rewritten, serving_model_decode
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.q_b_absorb
@@ -185,17 +184,6 @@ mul_4 = mul.Tensor(q_b_absorb_default, 2)""")
 
 @pytest.mark.parametrize("freezing", [False, True])
 def test_serving_model_decode_fires_per_layer_and_matches_eager(freezing):
-    config = get_config("tiny", num_layers=2)
-    model = build_model(config, dtype=torch.bfloat16).eval()
-    block_tables, num_blocks = make_block_tables(3, 40, 16)
-    caches = model.allocate_kv_cache(num_blocks, 16)
-    for c in caches:
-        c.normal_()
-    args = (torch.tensor([5, 7, 9]), block_tables, torch.tensor([17, 33, 1]))
-    mla_inductor.reset_counts()
-    torch._dynamo.reset()
-    with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
-        expected = model.forward_decode(args[0], [c.clone() for c in caches], *args[1:])
-        actual = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=True)(args[0], caches, *args[1:])
-    assert mla_inductor.fusion_counts()["q_b_absorb"] == config.num_layers
+    expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True, freezing=freezing)
+    assert mla_inductor.fusion_counts()["q_b_absorb"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers

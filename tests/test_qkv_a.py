@@ -5,7 +5,6 @@ import functools
 import expecttest
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -13,13 +12,14 @@ from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
 from mla_inductor import benchmarking
-from mla_inductor.models import build_model, get_config, make_block_tables
+from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
 from mla_inductor.lowerings.segment_gemm import can_pack, pack_vnni_blocks
-from mla_inductor.ops.qkv_a import reference_fp64, rope_interleaved
+from mla_inductor.ops.qkv_a import reference_fp64
+from mla_inductor.ops.rope import rotate_pairs
 
-from graph_utils import rewritten
+from graph_utils import rewritten, serving_model_decode
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.qkv_a_proj
@@ -170,7 +170,7 @@ def test_k_pe_rotated_in_the_template_and_in_eager(dtype):
     angles = torch.rand(5, 4, generator=torch.Generator().manual_seed(1)) * 6.3
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     q_ref, c_ref, k_pe_ref = reference_fp64(**args)
-    k_ref = rope_interleaved(k_pe_ref, cos.double(), sin.double())
+    k_ref = rotate_pairs(k_pe_ref, cos.double(), sin.double(), is_neox=False)
     fn = torch.compile(lambda x, qw, kvw, qn, kvn, c, s: op(x, qw, kvw, qn, kvn, 1e-6, 1e-5, k_cos=c, k_sin=s))
     compiled, (code,) = run_and_get_code(
         fn, args["x"], args["q_weight"], args["kv_weight"], args["q_norm_weight"], args["kv_norm_weight"], cos, sin
@@ -376,17 +376,8 @@ mul_5 = mul.Tensor(getitem_4, 3)""")
 
 
 def test_serving_model_decode_fires_per_layer_and_matches_eager():
-    config = get_config("tiny", num_layers=3)
-    model = build_model(config, dtype=torch.bfloat16)
-    block_tables, num_blocks = make_block_tables(2, 40, 16)
-    caches = model.allocate_kv_cache(num_blocks, 16)
-    for c in caches:
-        c.normal_()
-    args = (torch.tensor([5, 7]), caches, block_tables, torch.tensor([17, 33]))
-    with torch.no_grad():
-        expected = model.forward_decode(*args)
-        actual = torch.compile(model.forward_decode, backend="mla_inductor")(*args)
-    assert mla_inductor.fusion_counts()["qkv_a_proj"] == config.num_layers
+    expected, actual = serving_model_decode(3, [17, 33])
+    assert mla_inductor.fusion_counts()["qkv_a_proj"] == 3
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 3 layers
 
 

@@ -21,6 +21,7 @@ import torch
 from torch._inductor import ir
 from torch._inductor.codegen.cpp import get_export_declaration
 from torch._inductor.codegen.cpp_template import CppTemplate
+from torch._inductor.select_algorithm import autotune_select_algorithm
 from torch._inductor.utils import parallel_num_threads
 from torch._inductor.virtualized import V
 
@@ -49,6 +50,16 @@ def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
         if size and not (sizevars.statically_known_equals(stride[-1], 1) or sizevars.statically_known_equals(size[-1], 1)):
             return ir.ExternKernel.require_contiguous(t)
     return ir.ExternKernel.require_stride1(t)  # a flexible layout becomes contiguous: dense in the last dim
+
+
+def guard_ints(sizes: dict) -> Optional[dict]:
+    """Sizes that shape a kernel's tiles and loops (heads, row widths) as ints. Under dynamic=True they
+    are symbols: specialize on them with a guard (a model's heads do not change between steps). None
+    if that is impossible (unbacked sizes): the extern reference serves then."""
+    try:
+        return {name: V.graph.sizevars.guard_int(size) for name, size in sizes.items()}
+    except Exception:  # noqa: BLE001 -- unbacked or unhinted
+        return None
 
 
 def frozen_value(t) -> Optional[torch.Tensor]:
@@ -83,24 +94,54 @@ def huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 class FusedOpTemplate(CppTemplate):
     """A C++ template over named inputs, some of them absent: absent ones stay in `inputs` as None (the
-    Jinja template branches on them), the kernel's arguments are the present ones, in this order."""
+    Jinja template branches on them), the kernel's arguments are the present ones, in this order.
+
+    A subclass names its Jinja file (`template_file`) and the kernel's output (`output`), and gives
+    the shared C++ headers it pastes in front (`headers`) and the sizes, strides and constants the
+    Jinja file reads (`options`)."""
+
+    template_file: str
+    output: str = "Y"
 
     def __init__(self, name: str, inputs: dict, layout: ir.Layout) -> None:
         self.present_inputs = {k: v for k, v in inputs.items() if v is not None}
         super().__init__(name, list(self.present_inputs.values()), layout, parallel_num_threads())
         self.inputs = inputs
 
-    def render_source(self, template_file: str, headers: tuple[str, ...], **options) -> str:
-        """Render `template_file` with the shared C++ `headers` pasted in front as `micro_kernels`.
-        The caller must have run `kernel.def_kernel` before naming any size (see docs/inductor_notes.md)."""
-        return self._template_from_string(template_source(template_file)).render(
+    def headers(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def options(self, kernel) -> dict:
+        raise NotImplementedError
+
+    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
+               epilogue_nodes=None, **kwargs) -> str:
+        assert not epilogue_nodes, "epilogue fusion is off for our templates (see select)"
+        out = template_buffer_node if template_buffer_node is not None else self.output_node
+        # Declare the kernel's arguments before anything names a size: sizes named earlier would get
+        # symbols the signature does not declare (docs/inductor_notes.md).
+        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={self.output: out})
+        return self._template_from_string(template_source(self.template_file)).render(
             template=self,
+            kernel=kernel,
+            signature=signature,
             num_threads=self.num_threads,
             export_declaration=get_export_declaration(),
-            micro_kernels="\n".join(template_source(h) for h in headers),
+            micro_kernels="\n".join(template_source(h) for h in self.headers()),
+            **{self.output: out},
             **self.inputs,
-            **options,
+            **self.options(kernel),
         )
+
+    def select(self) -> ir.TensorBox:
+        """The template as the lowering's one choice: its output buffer. Epilogue fusion stays off:
+        our kernels write their outputs in a phase after a barrier, or as segments that consumers read
+        as views, where a fused pointwise consumer would need a store_output per segment."""
+        choices = []
+        self.maybe_append_choice(choices)
+        out, _ = autotune_select_algorithm(self.name, choices, self.input_nodes, self.layout)
+        out.data.data.allow_epilogue_fusion = False
+        return out
 
 
 from . import mla_decode, q_b_absorb, qkv_a, rope  # noqa: E402,F401

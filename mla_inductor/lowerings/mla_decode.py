@@ -7,11 +7,9 @@ from typing import Optional
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.select_algorithm import autotune_select_algorithm
-from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, realize_input
+from . import FusedOpTemplate, guard_ints, realize_input
 
 OP = torch.ops.mla.latent_decode_attention.default
 aten = torch.ops.aten
@@ -19,23 +17,20 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class LatentDecodeAttentionTemplate(FusedOpTemplate):
+    template_file = "latent_decode_attention.cpp.j2"
+    output = "OUT"
+
     def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float, softcap: float) -> None:
         super().__init__("mla_latent_decode_attention", inputs, layout)
         self.dims = dims  # the compile-time sizes: H, D1, D2, L, OUT_DIM
         self.scale, self.softcap = scale, softcap
 
-    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
-               epilogue_nodes=None, **kwargs) -> str:
-        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
-        out = template_buffer_node if template_buffer_node is not None else self.output_node
+    def headers(self) -> tuple[str, ...]:
+        return ("widen.h", "latent_attention.h")
+
+    def options(self, kernel) -> dict:
         q, kv, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC"))
-        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"OUT": out})  # before any size
-        return self.render_source(
-            "latent_decode_attention.cpp.j2",
-            ("widen.h", "latent_attention.h"),
-            kernel=kernel,
-            signature=signature,
-            OUT=out,
+        return dict(
             **self.dims,
             BLOCK_SIZE=kernel.size(kv, 1),
             BATCH=kernel.size(q, 0),
@@ -53,9 +48,7 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
 
 
 def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[dict]:
-    """Heads and row widths shape the kernel's tiles and scratch, so they must be compile-time
-    constants. Under dynamic=True they are symbols: specialize on them (a guard; they do not change
-    between decode steps). None if that is impossible (unbacked sizes)."""
+    """Heads and row widths shape the kernel's tiles and scratch: compile-time constants (guard_ints)."""
     sizes = dict(
         H=q.get_size()[1],
         D1=kv_cache.get_size()[2],
@@ -63,10 +56,7 @@ def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[
         L=kv_lora_rank,
         OUT_DIM=w_vc.get_size()[1] if w_vc is not None else kv_lora_rank,
     )
-    try:
-        return {name: V.graph.sizevars.guard_int(size) for name, size in sizes.items()}
-    except Exception:  # noqa: BLE001 -- unbacked or unhinted: the extern reference serves
-        return None
+    return guard_ints(sizes)
 
 
 def _template_can_serve(q, kv_cache, block_tables, seq_lens) -> bool:
@@ -109,9 +99,4 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
         "SCALE": realize_input(scale_tensor),
     }
     layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [q.get_size()[0], dims["H"], dims["OUT_DIM"]])
-    template = LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap)
-    choices = []
-    template.maybe_append_choice(choices)
-    out, _ = autotune_select_algorithm("mla_latent_decode_attention", choices, template.input_nodes, layout)
-    out.data.data.allow_epilogue_fusion = False  # merged rows are written in a phase after a barrier
-    return out
+    return LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap).select()

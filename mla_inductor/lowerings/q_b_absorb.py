@@ -7,7 +7,6 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.select_algorithm import autotune_select_algorithm
 
 from .. import config as mla_config
 from . import FusedOpTemplate, realize_input
@@ -18,24 +17,20 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class QBAbsorbTemplate(FusedOpTemplate):
+    template_file = "q_b_absorb.cpp.j2"
+
     def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, is_neox: bool) -> None:
         super().__init__("mla_q_b_absorb", inputs, layout)
         self.dims, self.is_neox = dims, is_neox
 
-    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
-               epilogue_nodes=None, **kwargs) -> str:
-        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
-        y = template_buffer_node if template_buffer_node is not None else self.output_node
+    def headers(self) -> tuple[str, ...]:
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        return ("widen.h", "nt_dot.h") + packed + ("absorb.h", "rope.h")
+
+    def options(self, kernel) -> dict:
         x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]
         packed = self.inputs["WP"] is not None  # then W_kc is packed too (WKC_P), and W_KC absent
-        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
-        return self.render_source(
-            "q_b_absorb.cpp.j2",
-            ("widen.h", "nt_dot.h", "packed_dot.h", "absorb.h", "rope.h") if packed
-            else ("widen.h", "nt_dot.h", "absorb.h", "rope.h"),
-            kernel=kernel,
-            signature=signature,
-            Y=y,
+        return dict(
             M=kernel.size(x, 0),
             ldx=kernel.stride(x, 0),
             ldw=None if packed else kernel.stride(wqb, 0),
@@ -85,9 +80,4 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
     }
     tokens = q_a.get_size()[0]
     layout = ir.FixedLayout(q_a.get_device(), q_a.get_dtype(), [tokens, dims["H"], dims["L"] + dims["ROPE"]])
-    template = QBAbsorbTemplate(inputs, layout, dims, is_neox)
-    choices = []
-    template.maybe_append_choice(choices)
-    y, _ = autotune_select_algorithm("mla_q_b_absorb", choices, template.input_nodes, layout)
-    y.data.data.allow_epilogue_fusion = False
-    return y
+    return QBAbsorbTemplate(inputs, layout, dims, is_neox).select()

@@ -6,7 +6,6 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.select_algorithm import autotune_select_algorithm
 
 from .. import config as mla_config
 from . import FusedOpTemplate, realize_input
@@ -14,33 +13,27 @@ from .segment_gemm import packed_weights
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 class QkvAProjTemplate(FusedOpTemplate):
+    template_file = "qkv_a_proj.cpp.j2"
+
     def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
         self.nq, self.nkv = nq, nkv
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
-    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
-               epilogue_nodes=None, **kwargs) -> str:
-        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
-        y = template_buffer_node if template_buffer_node is not None else self.output_node
+    def headers(self) -> tuple[str, ...]:
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        rope = ("rope.h",) if self.inputs["K_COS"] is not None else ()
+        return ("widen.h", "nt_dot.h") + packed + rope
+
+    def options(self, kernel) -> dict:
         x, wq, wkv = self.inputs["X"], self.inputs["WQ"], self.inputs["WKV"]
         packed = self.inputs["WP"] is not None
-        headers = ("widen.h", "nt_dot.h") + (("packed_dot.h",) if packed else ()) + (
-            ("rope.h",) if self.inputs["K_COS"] is not None else ()
-        )
-        # Declare the kernel's arguments before anything names a size: sizes named earlier would
-        # get symbols the signature does not declare.
-        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
         x_size = x.get_size()
-        rows = " * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1"
-        return self.render_source(
-            "qkv_a_proj.cpp.j2",
-            headers,
-            kernel=kernel,
-            signature=signature,
-            Y=y,
-            M=rows,
+        return dict(
+            M=" * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1",
             K=kernel.size(x, -1),
             NQ=self.nq,
             NKV=self.nkv,
@@ -49,7 +42,7 @@ class QkvAProjTemplate(FusedOpTemplate):
             ldwq=None if packed else kernel.stride(wq, 0),
             ldwkv=None if packed else kernel.stride(wkv, 0),
             x_origin=[0] * len(x_size),
-            y_origin=[0] * len(y.get_size()),
+            y_origin=[0] * len(self.layout.size),
             cos_origin=[0] * len(x_size),
             q_eps=f"{self.q_eps!r}f",
             kv_eps=f"{self.kv_eps!r}f",
@@ -93,13 +86,8 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
     }
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
-    template = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps)
-    choices = []
-    template.maybe_append_choice(choices)
-    y, _ = autotune_select_algorithm("mla_qkv_a_proj", choices, template.input_nodes, layout)
-    # Consumers read q, c_kv and k_pe as views of the one output: fusing a pointwise consumer into
-    # the template would need per-segment store_output; not worth it next to a weight stream.
-    y.data.data.allow_epilogue_fusion = False
+    # Consumers read q, c_kv and k_pe as views of the one output.
+    y = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps).select()
     lkv = inputs["KVW"].get_size()[0]
     return (
         L.slice_(y, -1, 0, nq),

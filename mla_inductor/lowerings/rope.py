@@ -8,20 +8,16 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
-from torch._inductor.select_algorithm import autotune_select_algorithm
-from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, realize_input
+from . import FusedOpTemplate, guard_ints, realize_input
 
 OP = torch.ops.mla.rotary_embedding.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _compile_time_dims(positions, query, key, head_size, cos_sin_cache) -> Optional[dict]:
-    """Head counts and widths shape the kernel's loops, so they are compile-time constants. Under
-    dynamic=True they are symbols: specialize on them (a guard; a model's heads do not change).
-    None if that is impossible (unbacked sizes)."""
+    """Head counts and widths shape the kernel's loops: compile-time constants (guard_ints)."""
     token_dims = len(positions.get_size())
 
     def heads(t):
@@ -30,34 +26,28 @@ def _compile_time_dims(positions, query, key, head_size, cos_sin_cache) -> Optio
 
     sizes = dict(head_size=head_size, rotary_dim=cos_sin_cache.get_size()[1], q_heads=heads(query),
                  k_heads=heads(key))
-    try:
-        return {name: V.graph.sizevars.guard_int(size) for name, size in sizes.items()}
-    except Exception:  # noqa: BLE001 -- unbacked or unhinted: the extern reference serves
-        return None
+    return guard_ints(sizes)
 
 
 class RotaryEmbeddingTemplate(FusedOpTemplate):
+    template_file = "rotary_embedding.cpp.j2"
+
     def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, is_neox: bool) -> None:
         super().__init__("mla_rotary_embedding", inputs, layout)
         self.dims, self.is_neox = dims, is_neox
 
-    def render(self, kernel, template_buffer_node=None, flag_template_buffer_has_other_users=None,
-               epilogue_nodes=None, **kwargs) -> str:
-        assert not epilogue_nodes, "epilogue fusion is disabled for this template"
-        y = template_buffer_node if template_buffer_node is not None else self.output_node
+    def headers(self) -> tuple[str, ...]:
+        return ("widen.h", "rope.h")
+
+    def options(self, kernel) -> dict:
         pos, q, k, cache = (self.inputs[n] for n in ("POS", "Q", "K", "CACHE"))
-        signature = kernel.def_kernel(inputs=self.present_inputs, outputs={"Y": y})
         token_dims = len(pos.get_size())
 
         def head_stride(t):  # heads are either within the last dim or a dim of their own
-            return self.dims["head_size"] if len(t.get_size()) == token_dims + 1 else kernel.stride(t, len(t.get_size()) - 2)
+            rank = len(t.get_size())
+            return self.dims["head_size"] if rank == token_dims + 1 else kernel.stride(t, rank - 2)
 
-        return self.render_source(
-            "rotary_embedding.cpp.j2",
-            ("widen.h", "rope.h"),
-            kernel=kernel,
-            signature=signature,
-            Y=y,
+        return dict(
             tokens=" * ".join(kernel.size(pos, d) for d in range(token_dims)) or "1",
             **self.dims,
             max_positions=kernel.size(cache, 0),
@@ -99,11 +89,7 @@ def lower_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_n
     q_heads, k_heads = dims["q_heads"], dims["k_heads"]
     tokens = sympy.Mul(*positions.get_size())
     layout = ir.FixedLayout(query.get_device(), query.get_dtype(), [tokens, q_heads + k_heads, dims["head_size"]])
-    template = RotaryEmbeddingTemplate(inputs, layout, dims, is_neox)
-    choices = []
-    template.maybe_append_choice(choices)
-    y, _ = autotune_select_algorithm("mla_rotary_embedding", choices, template.input_nodes, layout)
-    y.data.data.allow_epilogue_fusion = False
+    y = RotaryEmbeddingTemplate(inputs, layout, dims, is_neox).select()
     q_out = L.slice_(y, 1, 0, q_heads)
     k_out = L.slice_(y, 1, q_heads, q_heads + k_heads)
     return L.view(q_out, list(query.get_size())), L.view(k_out, list(key.get_size()))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .rope import SUPPORTED_DTYPES
+from .rope import SUPPORTED_DTYPES, rotate_pairs
 
 
 def _fail(message: str) -> None:
@@ -52,14 +52,6 @@ def check_args(q_a, q_b_weight, w_kc, cos, sin) -> None:
               f"{list(w_kc.shape)}, cos {list(cos.shape)} and q_a {list(q_a.shape)}, got {list(q_b_weight.shape)}")
 
 
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
-    if is_neox:
-        a, b = x.chunk(2, dim=-1)
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    a, b = x[..., 0::2], x[..., 1::2]
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-
-
 @torch.library.custom_op("mla::q_b_absorb", mutates_args=())
 def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
     check_args(q_a, q_b_weight, w_kc, cos, sin)
@@ -68,7 +60,7 @@ def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: 
     q = (q_a.to(compute) @ q_b_weight.to(compute).T).view(q_a.shape[0], heads, -1)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_kc.to(compute))
-    q_pe = _rotate(q_pe, cos.to(compute)[:, None], sin.to(compute)[:, None], is_neox)
+    q_pe = rotate_pairs(q_pe, cos[:, None], sin[:, None], is_neox)
     return torch.cat([q_lat, q_pe], dim=-1).to(q_a.dtype)
 
 

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .rope import rotate_pairs
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -116,16 +118,8 @@ def qkv_a_proj(
     if q_norm_weight is not None:
         q = _rms_norm(q, q_norm_weight, q_eps_value)
     c_kv = _rms_norm(kv[..., :L], kv_norm_weight, kv_eps_value)
-    k_pe = kv[..., L:] if k_cos is None else rope_interleaved(kv[..., L:], k_cos, k_sin)
+    k_pe = kv[..., L:] if k_cos is None else rotate_pairs(kv[..., L:], k_cos, k_sin, is_neox=False)
     return q.contiguous(), c_kv.contiguous(), k_pe.contiguous()
-
-
-def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """DeepSeek's rope of pairs (x[2i], x[2i+1]) by (cos[i], sin[i]), in fp32, rounded once."""
-    compute = torch.promote_types(x.dtype, torch.float32)
-    a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
-    cos, sin = cos.to(compute), sin.to(compute)
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
 
 
 @qkv_a_proj.register_fake

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch._guards
 
-from .qkv_a import rope_interleaved
+from .rope import check_positions, rotate_pairs
 
 _LIB = torch.library.Library("mla", "FRAGMENT")
 _LIB.define(
@@ -55,11 +55,8 @@ def _check(hidden, w_kc, kv_a_norm_weight, kv_a_rows, positions, cos_sin_cache) 
               f"(kv_a_norm_weight and cos_sin_cache)")
     if w_kc.dim() != 3 or w_kc.shape[1] != kv_lora_rank:
         _fail(f"w_kc must be [heads, kv_lora_rank={kv_lora_rank}, qk_nope_head_dim], got {list(w_kc.shape)}")
-    if torch._guards.detect_fake_mode(positions) is None and positions.numel():  # eager: the values exist
-        low, high = positions.min().item(), positions.max().item()
-        if low < 0 or high >= cos_sin_cache.shape[0]:
-            _fail(f"positions must be in [0, {cos_sin_cache.shape[0]}) (the rows of cos_sin_cache), got values "
-                  f"in [{low}, {high}]")
+    if torch._guards.detect_fake_mode(positions) is None:  # eager: the values exist
+        check_positions(positions, cos_sin_cache, _fail)
 
 
 def _chain(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weight, w_kc, q_a_norm_weight, kv_a_norm_weight,
@@ -112,7 +109,7 @@ def reference_per_stage(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weig
     q = stage(q_a @ q_b_proj_weight.to(compute).T).view(-1, heads, q_b_proj_weight.shape[0] // heads)
     q_lat = stage(torch.einsum("thd,hld->thl", q[..., :nope], w_kc.to(compute)))
     cos, sin = cos_sin_cache[positions].to(compute).chunk(2, dim=-1)
-    q_pe = stage(rope_interleaved(q[..., nope:], cos[:, None], sin[:, None]))
-    k_pe = stage(rope_interleaved(k_pe, cos, sin))
+    q_pe = stage(rotate_pairs(q[..., nope:], cos[:, None], sin[:, None], is_neox=False))
+    k_pe = stage(rotate_pairs(k_pe, cos, sin, is_neox=False))
     q_input, k_input = torch.cat([q_lat, q_pe], -1), torch.cat([c_kv, k_pe], -1).unsqueeze(1)
     return (q_input, k_input) if exact else (q_input.to(dtype), k_input.to(dtype))

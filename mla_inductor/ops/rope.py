@@ -70,28 +70,34 @@ def check_args(positions, query, key, head_size, cos_sin_cache) -> None:
     _heads("key", key, positions, head_size)
 
 
-def check_positions(positions: Tensor, cos_sin_cache: Tensor) -> None:
-    """Positions index rows of the cache: out of range is an error, never an out-of-bounds read."""
+def check_positions(positions: Tensor, cos_sin_cache: Tensor, fail=_fail) -> None:
+    """Positions index rows of the cache: out of range is an error, never an out-of-bounds read.
+    `fail` raises with the calling op's name."""
     if positions.numel() and (positions.min() < 0 or positions.max() >= cos_sin_cache.shape[0]):
-        _fail(f"positions must be in [0, {cos_sin_cache.shape[0]}) (the rows of cos_sin_cache), got values in "
-              f"[{positions.min().item()}, {positions.max().item()}]")
+        fail(f"positions must be in [0, {cos_sin_cache.shape[0]}) (the rows of cos_sin_cache), got values in "
+             f"[{positions.min().item()}, {positions.max().item()}]")
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+    """The rotation of x's last dim by (cos_i, sin_i) (broadcast against x's pairs), in fp32 or wider,
+    rounded once to x's dtype: the reference math of every mla:: op that applies RoPE."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    cos, sin = cos.to(compute), sin.to(compute)
+    if is_neox:
+        a, b = x.to(compute).chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+    a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
+    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
 
 
 def rotate(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
-    """One tensor's rotation in fp32 (the reference math); the result has x's shape and dtype."""
+    """One tensor's rotation (the op's reference math); the result has x's shape and dtype."""
     heads = _heads("x", x, positions, head_size)
     shaped = x.reshape(*positions.shape, heads, head_size)
     rotary_dim = cos_sin_cache.shape[1]
-    compute = torch.promote_types(x.dtype, torch.float32)
-    cos, sin = cos_sin_cache[positions.long()].to(compute).unsqueeze(-2).chunk(2, dim=-1)
-    rot = shaped[..., :rotary_dim].to(compute)
-    if is_neox:
-        a, b = rot.chunk(2, dim=-1)
-        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
-    else:
-        a, b = rot[..., 0::2], rot[..., 1::2]
-        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
-    return torch.cat([rotated.to(x.dtype), shaped[..., rotary_dim:]], dim=-1).reshape(x.shape)
+    cos, sin = cos_sin_cache[positions.long()].unsqueeze(-2).chunk(2, dim=-1)
+    rotated = rotate_pairs(shaped[..., :rotary_dim], cos, sin, is_neox)
+    return torch.cat([rotated, shaped[..., rotary_dim:]], dim=-1).reshape(x.shape)
 
 
 @torch.library.custom_op("mla::rotary_embedding", mutates_args=())

@@ -27,6 +27,16 @@ def node_value(arg):
     return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
 
 
+def size_hint(size) -> int:
+    """A size's value, or the example value of a dynamic size (a SymInt)."""
+    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
+
+
+def upcast(x):
+    """x in fp32 (or wider): how model code widens bf16 activations before softmax or RoPE."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
     """`scalar_tensor(v)` -> `full([], v)`: the joint graph's constant folding has already done this to
     the graphs we match (a masked_fill's fill value, for one), the plain trace of a pattern has not."""

@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
-from . import node_value, register_fusion
+from . import node_value, register_fusion, upcast
 
 FUSION = "mla_decode"
 # Magic values the traced patterns turn back into arguments (distinct from every size and literal).
@@ -31,10 +31,6 @@ _SCALE = 0.0625
 # square root (both multiplications must bind the same value) and squared in the replacement.
 _SQRT_SCALE = 0.3125
 _END = 9223372036854775807  # an open slice end, as traced
-
-
-def _upcast(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 # --- search functions: the model code ------------------------------------------------------------
@@ -47,7 +43,7 @@ def paged_absorbed_decode(q, kv_cache, block_tables, seq_lens, w_vc, scale):
     c, k_pe = kv[..., :kv_lora_rank], kv[..., kv_lora_rank:]
     q_lat, q_pe = q[..., :kv_lora_rank], q[..., kv_lora_rank:]
     scores = torch.bmm(q_lat, c.transpose(1, 2)) + torch.bmm(q_pe, k_pe.transpose(1, 2))
-    scores = _upcast(scores) * scale
+    scores = upcast(scores) * scale
     valid = torch.arange(kv.shape[1], device=q.device)[None, :] < seq_lens[:, None]
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(c.dtype)

@@ -17,18 +17,14 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
-from . import node_value, register_fusion
+from . import node_value, register_fusion, size_hint, upcast
 
 FUSION = "q_b_absorb"
 
 
-def _upcast(x):
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
 def rope_interleaved(x, cos, sin):
     """DeepSeek's rope: pairs (x[2i], x[2i+1]) rotated by frequency i, in fp32."""
-    x1, x2 = _upcast(x[..., 0::2]), _upcast(x[..., 1::2])
+    x1, x2 = upcast(x[..., 0::2]), upcast(x[..., 1::2])
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
@@ -55,14 +51,10 @@ def absorbed_query_replacement(q_a, q_b_weight, w_kc, cos, sin):
 # --- preconditions --------------------------------------------------------------------------------
 
 
-def _hint(size) -> int:
-    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
-
-
 def check(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     q_a, w_kc = kw["q_a"], kw["w_kc"]
-    rows = _hint(q_a.shape[0])
+    rows = size_hint(q_a.shape[0])
     if not template_wins(rows, q_a.dtype):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     try:

@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from . import node_value, register_fusion
+from . import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
 # Distinct magic eps values: each literal in a traced pattern becomes the argument it stands for.
@@ -119,11 +119,6 @@ def fused_q_lora_replacement(x, weight, q_norm_weight, kv_norm_weight, q_eps, kv
 # --- preconditions --------------------------------------------------------------------------------
 
 
-def _hint(size) -> int:
-    """A size's value, or the example value of a dynamic size (a SymInt)."""
-    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
-
-
 def _literal_mismatch(match: Match, x, kw) -> Optional[str]:
     """The literals a size-agnostic pattern does not compare: exponents, dims, split sizes, casts.
 
@@ -172,7 +167,7 @@ def check(match: Match) -> Optional[str]:
     mismatch = _literal_mismatch(match, x, kw)
     if mismatch:
         return mismatch
-    rows = math.prod(_hint(s) for s in x.shape[:-1])
+    rows = math.prod(size_hint(s) for s in x.shape[:-1])
     if not template_wins(rows, x.dtype):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     kv_eps = kw["kv_eps"]
