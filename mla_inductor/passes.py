@@ -52,12 +52,16 @@ class MLAPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from .patterns import register_all
+        from .patterns.rope import merge_into_qkv_a_proj
 
         register_all()
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
-        if _PASSES[self.stage].apply(graph):
+        changed = _PASSES[self.stage].apply(graph)
+        if self.config.enabled("rope") and self.config.enabled("qkv_a_proj"):
+            changed += merge_into_qkv_a_proj(graph)
+        if changed:
             # A multi-output replacement is inserted before the earliest output of its match, which
             # may precede an input defined between the outputs (a lifted eps' cast, say).
             stable_topological_sort(graph)

@@ -27,6 +27,8 @@ def format_graph(graph: torch.fx.Graph) -> str:
             continue
         target = str(node.target).replace("aten.", "").replace(".default", "")
         args = ", ".join(_fmt(a) for a in node.args)
+        if str(node.target).startswith("mla.") and node.kwargs:  # our ops' optional arguments
+            args += "".join(f", {k}={_fmt(v)}" for k, v in node.kwargs.items())
         lines.append(f"{node.name} = {target}({args})")
     return "\n".join(lines)
 

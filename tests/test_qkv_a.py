@@ -175,7 +175,7 @@ def test_k_pe_rotated_in_the_template_and_in_eager(dtype):
     compiled, (code,) = run_and_get_code(
         fn, args["x"], args["q_weight"], args["kv_weight"], args["q_norm_weight"], args["kv_norm_weight"], cos, sin
     )
-    assert "mi::rope<false>" in code and "torch.ops.mla.qkv_a_proj" not in code
+    assert "mi::rope<mla_inductor::RopeStyle::kInterleaved>" in code and "torch.ops.mla.qkv_a_proj" not in code
     tol = TOLERANCE[dtype]
     for outputs in (op(**args, k_cos=cos, k_sin=sin), compiled):
         for out, ref in zip(outputs, (q_ref, c_ref, k_ref)):

@@ -1,12 +1,15 @@
-"""rope: the mla::rotary_embedding op (SGLang's contract) and its C++ template."""
+"""rope: the mla::rotary_embedding op (SGLang's contract), mla::apply_rope (model code's rotation),
+their C++ templates, and the patterns that find each spelling of RoPE in model code."""
 
 import functools
 
+import expecttest
 import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from mla_inductor.ops.rope import reference_fp64
+from graph_utils import rewritten
+from mla_inductor.ops.rope import apply_rope_fp64, reference_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.rotary_embedding
@@ -114,3 +117,204 @@ def test_template_rejects_a_position_outside_the_cache():
     positions[3] = 50
     with pytest.raises(RuntimeError, match=r"positions\[3\] = 50 is outside \[0, 50\)"):
         compiled_op(True)(positions, query, key, cache, 64)
+
+
+# --- mla::apply_rope: model code's rotation by per-row cos/sin ------------------------------------
+
+STYLES = ("neox", "interleaved", "interleaved_to_halves")
+apply_rope = torch.ops.mla.apply_rope
+
+# (x shape, cos shape): transformers' [B, H, S, d] by [B, 1, S, d/2], serving [T, H, d] by [T, 1, r/2]
+# (partial rotary), a k_pe [T, d] by [T, d/2], and an odd number of pairs (the scalar tails)
+APPLY_SHAPES = [((2, 4, 3, 64), (2, 1, 3, 32)), ((5, 3, 80), (5, 1, 20)), ((6, 64), (6, 32)), ((3, 2, 22), (3, 1, 11))]
+
+
+def apply_inputs(x_shape, cos_shape, dtype, cos_dtype=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(x_shape, generator=g).to(dtype)
+    cos, sin = (torch.randn(cos_shape, generator=g).to(cos_dtype or dtype) for _ in range(2))
+    return x, cos, sin
+
+
+@pytest.mark.parametrize("shapes", APPLY_SHAPES)
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_apply_rope_matches_fp64_definition(shapes, style, dtype):
+    x, cos, sin = apply_inputs(*shapes, dtype)
+    out = apply_rope(x, cos, sin, style)
+    assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double(), apply_rope_fp64(x, cos, sin, style), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(style="gptj"), "style must be one of"),
+        (dict(cos=torch.zeros(5, 1, 16, dtype=torch.float16)), "cos and sin must be floating tensors of one dtype and shape"),
+        (dict(cos=torch.zeros(5, 3, 16)), "cos and sin must be floating tensors of one dtype and shape"),
+        (dict(cos=torch.zeros(5, 1, 40), sin=torch.zeros(5, 1, 40)), r"rotary_dim = 2 \* cos.shape\[-1\] = 80"),
+        (dict(cos=torch.zeros(4, 1, 16), sin=torch.zeros(4, 1, 16)), r"does not broadcast against x's rows \[5, 3\]"),
+        (dict(x=torch.zeros(5, 3, 64, dtype=torch.int32)), "x has dtype torch.int32"),
+        (dict(x=torch.zeros(5, 3, 64, device="meta")), "x must be on the CPU"),
+    ],
+)
+def test_apply_rope_rejects_bad_input_naming_the_argument(change, message):
+    x, cos, sin = apply_inputs((5, 3, 64), (5, 1, 16), torch.float32)
+    args = dict(x=x, cos=cos, sin=sin, style="neox")
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        apply_rope(**args)
+
+
+@functools.cache
+def compiled_apply_rope(style):
+    """x arrives as a strided view (heads transposed, a slice of each head): read in place."""
+    return torch.compile(lambda x, cos, sin: apply_rope(x.transpose(0, 1)[..., 16:], cos, sin, style), dynamic=True)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_apply_rope_template_matches_the_op_on_strided_views(style):
+    for dtype, cos_dtype in ((torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32,) * 2):
+        x, cos, sin = apply_inputs((3, 7, 16 + 64), (7, 1, 32), dtype, cos_dtype)
+        out, (code,) = run_and_get_code(compiled_apply_rope(style), x, cos, sin)
+        assert "mi::rope_head" in code and "torch.ops.mla.apply_rope" not in code
+        expected = apply_rope(x.transpose(0, 1)[..., 16:], cos, sin, style)
+        torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# --- the patterns: each spelling of model code, against its own eager output ----------------------
+
+
+def rotary_cos_sin(positions, dim, dtype, base=10000.0):
+    """What every rotary module computes: cat((freqs, freqs)), its cos and sin (equal halves)."""
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def v3_interleave(q, k, positions):
+    """transformers 5.x DeepseekV3 `apply_rotary_pos_emb_interleave`, q [B, H, S, d], k [B, 1, S, d]."""
+    cos, sin = rotary_cos_sin(positions, q.shape[-1], q.dtype)
+    cos, sin = cos[..., : cos.shape[-1] // 2].unsqueeze(1), sin[..., : sin.shape[-1] // 2].unsqueeze(1)
+    out = []
+    for x in (q, k):
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out.append(torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1))
+    return out
+
+
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def llama_rotate_half(q, k, positions, cos_sin=None):
+    """Llama / DeepseekV3 (`rope_interleave=False`) `apply_rotary_pos_emb`."""
+    cos, sin = cos_sin or rotary_cos_sin(positions, q.shape[-1], q.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def remote_code_deinterleave(q, k, positions):
+    """DeepSeek's remote code / transformers 4.x: pairs gathered into halves, then rotate_half."""
+    cos, sin = rotary_cos_sin(positions, q.shape[-1], q.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = []
+    for x in (q, k):
+        b, h, s, d = x.shape
+        x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+        out.append(x * cos + _rotate_half(x) * sin)
+    return out
+
+
+def v2_complex(q, k, positions):
+    """DeepseekV2's `apply_rotary_emb`: complex multiplication by freqs_cis, in fp32."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs_cis = torch.polar(torch.ones(*positions.shape, d // 2), positions[..., None].float() * inv_freq)
+    freqs_cis = freqs_cis.unsqueeze(1)
+    out = []
+    for x in (q, k):
+        x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        out.append(torch.view_as_real(x_ * freqs_cis).flatten(3).type_as(x))
+    return out
+
+
+SPELLINGS = {"v3_interleave": v3_interleave, "rotate_half": llama_rotate_half,
+             "remote_code_deinterleave": remote_code_deinterleave, "v2_complex": v2_complex}
+
+
+def spelling_inputs(dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 5, 16, generator=g).to(dtype).transpose(1, 2)  # [B, H, S, d], as after the head split
+    k = torch.randn(2, 1, 3, 16, generator=g).to(dtype)
+    return q, k, torch.tensor([[7, 8, 9], [0, 1, 2]])
+
+
+@pytest.mark.parametrize("spelling", sorted(SPELLINGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_spelling_fires_and_matches_its_eager_code(spelling, dtype):
+    fn = SPELLINGS[spelling]
+    q, k, positions = spelling_inputs(dtype)
+    graph = rewritten(fn, q, k, positions, stage="post_grad")
+    assert graph.count("mla.apply_rope") == 2, graph
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="mla_inductor")(q, k, positions)
+    for out, expected in zip(actual, fn(q, k, positions)):
+        # bf16 model code rounds after every product; the op once
+        torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_v3_interleave_graph(self):
+        graph = rewritten(v3_interleave, *spelling_inputs(torch.bfloat16), stage="post_grad")
+        self.assertExpectedInline(graph, """\
+unsqueeze = unsqueeze(arg1_1, 2)
+convert_element_type_1 = prims.convert_element_type(unsqueeze, torch.float32)
+iota = prims.iota(8)
+mul = mul.Tensor(iota, 2)
+add = add.Tensor(mul, 0)
+convert_element_type = prims.convert_element_type(add, torch.float32)
+div = div.Tensor(convert_element_type, 16)
+pow_1 = pow.Scalar(10000.0, div)
+reciprocal = reciprocal(pow_1)
+mul_1 = mul.Tensor(reciprocal, 1.0)
+mul_2 = mul.Tensor(convert_element_type_1, mul_1)
+unsqueeze_1 = unsqueeze(mul_2, 2)
+expand = expand(unsqueeze_1, [2, 3, 2, 8])
+clone = clone(expand)
+view = reshape(clone, [2, 3, 16])
+cos = cos(view)
+convert_element_type_2 = prims.convert_element_type(cos, torch.bfloat16)
+slice_1 = slice.Tensor(convert_element_type_2, 2, 0, 8)
+unsqueeze_2 = unsqueeze(slice_1, 1)
+sin = sin(view)
+convert_element_type_3 = prims.convert_element_type(sin, torch.bfloat16)
+slice_2 = slice.Tensor(convert_element_type_3, 2, 0, 8)
+unsqueeze_3 = unsqueeze(slice_2, 1)
+apply_rope_default_1 = mla.apply_rope(arg0_1, unsqueeze_2, unsqueeze_3, interleaved_to_halves)
+apply_rope_default = mla.apply_rope(arg2_1, unsqueeze_2, unsqueeze_3, interleaved_to_halves)""")
+
+    def test_not_rotate_half_when_the_halves_of_cos_may_differ(self):
+        """cos/sin from the caller: nothing proves cos[i] == cos[i + d/2], and then rotate_half is no rotation of pairs."""
+        q, k, positions = spelling_inputs(torch.float32)
+        cos_sin = rotary_cos_sin(positions, 16, torch.float32)
+        graph = rewritten(lambda q, k, c, s: llama_rotate_half(q, k, None, (c, s)), q, k, *cos_sin, stage="post_grad")
+        self.assertNotIn("apply_rope", graph)
+
+    def test_not_when_cos_promotes_the_result(self):
+        """fp32 cos/sin against bf16 x: the model's result is fp32, the op's would be bf16."""
+        q, k, positions = spelling_inputs(torch.bfloat16)
+
+        def promoting(q, k, positions):
+            cos, sin = rotary_cos_sin(positions, 16, torch.float32)
+            cos, sin = cos[..., :8].unsqueeze(1), sin[..., :8].unsqueeze(1)
+            x1, x2 = q[..., 0::2], q[..., 1::2]
+            return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+        self.assertNotIn("apply_rope", rewritten(promoting, q, k, positions, stage="post_grad"))
+
+    def test_not_when_switched_off(self):
+        graph = rewritten(v3_interleave, *spelling_inputs(torch.bfloat16), stage="post_grad", fusions={"rope": False})
+        self.assertNotIn("apply_rope", graph)

@@ -62,6 +62,11 @@ def guard_ints(sizes: dict) -> Optional[dict]:
         return None
 
 
+def cpp_rope_style(style: str) -> str:
+    """An mla::apply_rope style ("neox", "interleaved", "interleaved_to_halves") as rope.h's enum."""
+    return "mla_inductor::RopeStyle::k" + "".join(word.title() for word in style.split("_"))
+
+
 def frozen_value(t) -> Optional[torch.Tensor]:
     """The value of a lowering argument that freezing made a graph constant (seen through a view, such
     as the row slice a fused weight is split by), or None when it is a runtime input."""

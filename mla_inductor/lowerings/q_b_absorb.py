@@ -9,7 +9,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .. import config as mla_config
-from . import FusedOpTemplate, realize_input
+from . import FusedOpTemplate, cpp_rope_style, realize_input
 from .segment_gemm import frozen_values, packed_constant
 
 OP = torch.ops.mla.q_b_absorb.default
@@ -38,7 +38,7 @@ class QBAbsorbTemplate(FusedOpTemplate):
             w_kc_stride_d=None if packed else kernel.stride(w_kc, 1),
             ld_cos=kernel.stride(self.inputs["COS"], 0),
             ld_sin=kernel.stride(self.inputs["SIN"], 0),
-            is_neox=self.is_neox,
+            rope_style=cpp_rope_style("neox" if self.is_neox else "interleaved"),
             **self.dims,
         )
 

@@ -8,7 +8,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .. import config as mla_config
-from . import FusedOpTemplate, realize_input
+from . import FusedOpTemplate, cpp_rope_style, realize_input
 from .segment_gemm import packed_weights
 
 OP = torch.ops.mla.qkv_a_proj.default
@@ -18,9 +18,10 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class QkvAProjTemplate(FusedOpTemplate):
     template_file = "qkv_a_proj.cpp.j2"
 
-    def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float,
+                 k_rope_style: str) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
-        self.nq, self.nkv = nq, nkv
+        self.nq, self.nkv, self.k_rope_style = nq, nkv, k_rope_style
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
     def headers(self) -> tuple[str, ...]:
@@ -44,6 +45,7 @@ class QkvAProjTemplate(FusedOpTemplate):
             x_origin=[0] * len(x_size),
             y_origin=[0] * len(self.layout.size),
             cos_origin=[0] * len(x_size),
+            k_rope_style=cpp_rope_style(self.k_rope_style),
             q_eps=f"{self.q_eps!r}f",
             kv_eps=f"{self.kv_eps!r}f",
         )
@@ -61,9 +63,10 @@ def _template_can_serve(x, weights, k_cos) -> bool:
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None,
-                     kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None):
+                     kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None,
+                     k_rope_style="interleaved"):
     args = (x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias, kv_bias, q_eps_tensor,
-            kv_eps_tensor, k_cos, k_sin)
+            kv_eps_tensor, k_cos, k_sin, k_rope_style)
     if not _template_can_serve(x, (q_weight, kv_weight), k_cos):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
 
@@ -87,7 +90,7 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
     # Consumers read q, c_kv and k_pe as views of the one output.
-    y = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps).select()
+    y = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps, k_rope_style).select()
     lkv = inputs["KVW"].get_size()[0]
     return (
         L.slice_(y, -1, 0, nq),

@@ -1,4 +1,4 @@
-"""Lowering of mla::rotary_embedding to a vectorized C++ template: one pass over the heads."""
+"""Lowerings of mla::rotary_embedding and mla::apply_rope to vectorized C++ templates: one pass over the heads."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
+from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, guard_ints, realize_input
+from . import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input
 
 OP = torch.ops.mla.rotary_embedding.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -59,7 +60,7 @@ class RotaryEmbeddingTemplate(FusedOpTemplate):
             pos_origin=[0] * token_dims,
             q_origin=[0] * len(q.get_size()),
             k_origin=[0] * len(k.get_size()),
-            is_neox=self.is_neox,
+            rope_style=cpp_rope_style("neox" if self.is_neox else "interleaved"),
         )
 
 
@@ -93,3 +94,60 @@ def lower_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_n
     q_out = L.slice_(y, 1, 0, q_heads)
     k_out = L.slice_(y, 1, q_heads, q_heads + k_heads)
     return L.view(q_out, list(query.get_size())), L.view(k_out, list(key.get_size()))
+
+
+# --- mla::apply_rope -------------------------------------------------------------------------------
+
+APPLY_OP = torch.ops.mla.apply_rope.default
+
+
+class ApplyRopeTemplate(FusedOpTemplate):
+    template_file = "apply_rope.cpp.j2"
+
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, style: str) -> None:
+        super().__init__("mla_apply_rope", inputs, layout)
+        self.dims, self.style = dims, style
+
+    def headers(self) -> tuple[str, ...]:
+        return ("widen.h", "rope.h")
+
+    def options(self, kernel) -> dict:
+        x, cos, sin = (self.inputs[n] for n in ("X", "COS", "SIN"))
+        row_dims = len(x.get_size()) - 1
+        cos_dims = len(cos.get_size()) - 1
+
+        def broadcast_stride(t, d):
+            """t's stride along x's leading dim d; 0 where t has no such dim or a size-1 one."""
+            td = d - (row_dims - cos_dims)
+            if td < 0 or V.graph.sizevars.statically_known_equals(t.get_size()[td], 1):
+                return "0"
+            return kernel.stride(t, td)
+
+        return dict(
+            **self.dims,
+            rows=" * ".join(f"({kernel.size(x, d)})" for d in range(row_dims)) or "1",
+            row_dims=[
+                dict(size=kernel.size(x, d), x=kernel.stride(x, d), cos=broadcast_stride(cos, d),
+                     sin=broadcast_stride(sin, d))
+                for d in range(row_dims)
+            ],
+            x_origin=[0] * len(x.get_size()),
+            cos_origin=[0] * len(cos.get_size()),
+            rope_style=cpp_rope_style(self.style),
+        )
+
+
+@L.register_lowering(APPLY_OP, type_promotion_kind=None)
+def lower_apply_rope(x, cos, sin, style):
+    dims = guard_ints(dict(head_size=x.get_size()[-1], rotary_dim=2 * cos.get_size()[-1]))
+    if (
+        dims is None
+        or not mla_config.active().cpp_templates
+        or x.get_device().type != "cpu"
+        or x.get_dtype() not in SUPPORTED_DTYPES
+        or cos.get_dtype() not in SUPPORTED_DTYPES
+    ):
+        return L.fallback_handler(APPLY_OP, add_to_fallback_set=False)(x, cos, sin, style)
+    inputs = {"X": realize_input(x), "COS": realize_input(cos), "SIN": realize_input(sin)}
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), list(x.get_size()))
+    return ApplyRopeTemplate(inputs, layout, dims, style).select()

@@ -8,9 +8,9 @@
 L = kv_norm_weight.numel(). q_weight is q_a_proj (q_lora_rank rows) or, for models without a q
 LoRA, q_proj with no norm. eps is a float, or a 0-d tensor where `dynamic=True` lifted a module's
 float attribute into a graph input (`q_eps_tensor` / `kv_eps_tensor` then take precedence).
-With `k_cos` and `k_sin` ([..., R / 2] per row, x's leading dims) k_pe leaves rotated by DeepSeek's
-interleaved RoPE, pairs (k_pe[2i], k_pe[2i+1]): the cache row's rope part, as SGLang's
-`qkv_proj_with_rope` writes it.
+With `k_cos` and `k_sin` ([..., R / 2] per row, x's leading dims) k_pe leaves rotated, in one of
+mla::apply_rope's styles (`k_rope_style`; by default DeepSeek's interleaved pairs (k_pe[2i],
+k_pe[2i+1]): the cache row's rope part, as SGLang's `qkv_proj_with_rope` writes it).
 
 The eager implementation computes what the matched model code computes (GEMMs in the input dtype
 with fp32 accumulation, norms in fp32, as transformers' DeepseekV3RMSNorm), so a rewrite changes no
@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .rope import rotate_pairs
+from .rope import ROPE_STYLES, rotate_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -35,7 +35,7 @@ def _fail(message: str) -> None:
 
 
 def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps, kv_eps,
-               k_cos=None, k_sin=None) -> None:
+               k_cos=None, k_sin=None, k_rope_style="interleaved") -> None:
     """Every precondition of the op, with a message naming the argument."""
     tensors = {"x": x, "q_weight": q_weight, "kv_weight": kv_weight, "kv_norm_weight": kv_norm_weight}
     tensors.update({k: v for k, v in (("q_norm_weight", q_norm_weight), ("q_bias", q_bias), ("kv_bias", kv_bias)) if v is not None})
@@ -72,6 +72,8 @@ def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv
                 _fail(f"{name} tensor must be a 0-d floating tensor, got {eps.dtype}{list(eps.shape)}")
         elif not eps > 0:
             _fail(f"{name} must be > 0, got {eps}")
+    if k_rope_style not in ROPE_STYLES:
+        _fail(f"k_rope_style must be one of {ROPE_STYLES}, got {k_rope_style!r}")
     if (k_cos is None) != (k_sin is None):
         _fail("k_cos and k_sin come together: pass both to rotate k_pe, or neither")
     if k_cos is not None:
@@ -107,28 +109,31 @@ def qkv_a_proj(
     kv_eps_tensor: Optional[Tensor] = None,
     k_cos: Optional[Tensor] = None,
     k_sin: Optional[Tensor] = None,
+    k_rope_style: str = "interleaved",
 ) -> tuple[Tensor, Tensor, Tensor]:
     q_eps_value = q_eps_tensor if q_eps_tensor is not None else q_eps
     kv_eps_value = kv_eps_tensor if kv_eps_tensor is not None else kv_eps
     check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps_value, kv_eps_value,
-               k_cos, k_sin)
+               k_cos, k_sin, k_rope_style)
     L = kv_norm_weight.shape[0]
     q = torch.nn.functional.linear(x, q_weight, q_bias)
     kv = torch.nn.functional.linear(x, kv_weight, kv_bias)
     if q_norm_weight is not None:
         q = _rms_norm(q, q_norm_weight, q_eps_value)
     c_kv = _rms_norm(kv[..., :L], kv_norm_weight, kv_eps_value)
-    k_pe = kv[..., L:] if k_cos is None else rotate_pairs(kv[..., L:], k_cos, k_sin, is_neox=False)
+    k_pe = kv[..., L:]
+    if k_cos is not None:
+        k_pe = rotate_pairs(k_pe, k_cos, k_sin, k_rope_style == "neox", k_rope_style == "interleaved_to_halves")
     return q.contiguous(), c_kv.contiguous(), k_pe.contiguous()
 
 
 @qkv_a_proj.register_fake
 def _(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None,
-      q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None):
+      q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None, k_rope_style="interleaved"):
     # Same checks while tracing: bad input fails at compile time with the same message.
     check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias,
                q_eps_tensor if q_eps_tensor is not None else q_eps,
-               kv_eps_tensor if kv_eps_tensor is not None else kv_eps, k_cos, k_sin)
+               kv_eps_tensor if kv_eps_tensor is not None else kv_eps, k_cos, k_sin, k_rope_style)
     lead = x.shape[:-1]
     L = kv_norm_weight.shape[0]
     return (

@@ -1,4 +1,7 @@
-"""mla::rotary_embedding: RoPE of query and key heads by positions gathered from a cos/sin cache.
+"""RoPE as two ops: `mla::rotary_embedding` (SGLang's positions + cos/sin cache contract) and
+`mla::apply_rope` (one tensor by per-row cos/sin, as model code computes them).
+
+mla::rotary_embedding: RoPE of query and key heads by positions gathered from a cos/sin cache.
 
 The contract of SGLang's `rotary_embedding_cpu(positions, query, key, head_size, cos_sin_cache,
 is_neox)`: `cos_sin_cache` is [max_positions, rotary_dim] = cos ‖ sin, each [rotary_dim / 2]; the first
@@ -13,7 +16,19 @@ positions' shape: 2-D [T, H*d] and 3-D [T, H, d] with positions [T], 4-D [B, S, 
 [B, S]. Query and key may have different head counts. Unlike SGLang, which rotates 2-D inputs in
 place, the op is functional: it returns new (query, key), so that it can stand in a traced graph.
 
-The eager implementation is the reference: fp32 arithmetic, one rounding per output element.
+mla::apply_rope(x, cos, sin, style): x [..., d] rotated by cos/sin [..., rotary_dim / 2] (broadcast
+against x's leading dims, so one cos row serves every head), the rest of each row passed through.
+`style` says where a pair lives and where its rotation goes:
+
+    "neox"                   pairs (x[i], x[i + r/2]) -> the same places     (rotate_half: Llama, DeepseekV3
+                                                                              with rope_interleave=False)
+    "interleaved"            pairs (x[2 i], x[2 i + 1]) -> the same places   (GPT-J, DeepseekV2's complex
+                                                                              rope, serving DeepSeek)
+    "interleaved_to_halves"  pairs (x[2 i], x[2 i + 1]) -> (out[i], out[i + r/2])
+                                                                             (transformers' DeepseekV3: its
+                                                                              k_pe lands in the cache so)
+
+The eager implementations are the references: fp32 arithmetic, one rounding per output element.
 """
 
 from __future__ import annotations
@@ -78,16 +93,23 @@ def check_positions(positions: Tensor, cos_sin_cache: Tensor, fail=_fail) -> Non
              f"[{positions.min().item()}, {positions.max().item()}]")
 
 
-def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
+ROPE_STYLES = ("neox", "interleaved", "interleaved_to_halves")
+
+
+def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool, to_halves: bool = False) -> Tensor:
     """The rotation of x's last dim by (cos_i, sin_i) (broadcast against x's pairs), in fp32 or wider,
-    rounded once to x's dtype: the reference math of every mla:: op that applies RoPE."""
+    rounded once to x's dtype: the reference math of every mla:: op that applies RoPE. `to_halves`
+    (interleaved pairs only) puts the rotated evens first and the rotated odds after them."""
     compute = torch.promote_types(x.dtype, torch.float32)
     cos, sin = cos.to(compute), sin.to(compute)
     if is_neox:
         a, b = x.to(compute).chunk(2, dim=-1)
-        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
-    a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
-    return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+    else:
+        a, b = x[..., 0::2].to(compute), x[..., 1::2].to(compute)
+    first, second = a * cos - b * sin, b * cos + a * sin
+    if is_neox or to_halves:
+        return torch.cat([first, second], dim=-1).to(x.dtype)
+    return torch.stack([first, second], dim=-1).flatten(-2).to(x.dtype)
 
 
 def rotate(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
@@ -134,4 +156,66 @@ def reference_fp64(positions, x, head_size, cos_sin_cache, is_neox) -> Tensor:
             ia, ib = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
             a, b = flat[t, :, ia], flat[t, :, ib]
             out[t, :, ia], out[t, :, ib] = a * c - b * s, b * c + a * s
+    return out.reshape(x.shape)
+
+
+# --- mla::apply_rope -------------------------------------------------------------------------------
+
+
+def _fail_apply(message: str) -> None:
+    raise ValueError(f"mla::apply_rope: {message}")
+
+
+def check_apply_args(x, cos, sin, style) -> None:
+    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
+        if not isinstance(t, Tensor):
+            _fail_apply(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.device.type != "cpu":
+            _fail_apply(f"{name} must be on the CPU, got {t.device}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        _fail_apply(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
+    if style not in ROPE_STYLES:
+        _fail_apply(f"style must be one of {ROPE_STYLES}, got {style!r}")
+    if not cos.is_floating_point() or cos.dtype != sin.dtype or cos.shape != sin.shape:
+        _fail_apply(f"cos and sin must be floating tensors of one dtype and shape, got {cos.dtype}{list(cos.shape)} "
+                    f"and {sin.dtype}{list(sin.shape)}")
+    if x.dim() < 1 or cos.dim() < 1 or cos.dim() > x.dim():
+        _fail_apply(f"cos [..., rotary_dim / 2] must not have more dims than x [..., head_size], got "
+                    f"{list(cos.shape)} and {list(x.shape)}")
+    half = cos.shape[-1]
+    if half == 0 or 2 * half > x.shape[-1]:
+        _fail_apply(f"rotary_dim = 2 * cos.shape[-1] = {2 * half} must be in [2, x.shape[-1]={x.shape[-1]}]")
+    lead, cos_lead = x.shape[:-1], cos.shape[:-1]
+    for i in range(1, len(cos_lead) + 1):
+        if cos_lead[-i] not in (1, lead[-i]):
+            _fail_apply(f"cos {list(cos.shape)} does not broadcast against x's rows {list(lead)}")
+
+
+@torch.library.custom_op("mla::apply_rope", mutates_args=())
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, style: str) -> Tensor:
+    check_apply_args(x, cos, sin, style)
+    rotary_dim = 2 * cos.shape[-1]
+    rotated = rotate_pairs(x[..., :rotary_dim], cos, sin, style == "neox", style == "interleaved_to_halves")
+    return torch.cat([rotated, x[..., rotary_dim:]], dim=-1).contiguous()
+
+
+@apply_rope.register_fake
+def _(x, cos, sin, style):
+    check_apply_args(x, cos, sin, style)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def apply_rope_fp64(x, cos, sin, style) -> Tensor:
+    """An independent fp64 rotation, pair by pair from the definition, for tests."""
+    half = cos.shape[-1]
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1]).double()
+    c = cos.double().expand(*lead, half).reshape(-1, half)
+    s = sin.double().expand(*lead, half).reshape(-1, half)
+    out = flat.clone()
+    for i in range(half):
+        ia, ib = (i, i + half) if style == "neox" else (2 * i, 2 * i + 1)
+        oa, ob = (ia, ib) if style != "interleaved_to_halves" else (i, i + half)
+        a, b = flat[:, ia], flat[:, ib]
+        out[:, oa], out[:, ob] = a * c[:, i] - b * s[:, i], b * c[:, i] + a * s[:, i]
     return out.reshape(x.shape)

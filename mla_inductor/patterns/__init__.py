@@ -19,7 +19,7 @@ from ..explain import checked
 from ..passes import STAGES, pattern_pass
 
 # Fusion modules in this package, registered in this order (larger fusions first where they overlap).
-FUSION_MODULES: tuple[str, ...] = ("qkv_a", "q_b_absorb", "mla_decode")
+FUSION_MODULES: tuple[str, ...] = ("qkv_a", "q_b_absorb", "mla_decode", "rope")
 
 
 def node_value(arg):
@@ -98,8 +98,10 @@ def register_fusion(
     for stage in stages:
         trace = trace_for_stage(stage)
         if size_agnostic:
+            # exclusive_arg_names only takes effect where the pattern is generated: pass it here too
             kwargs["search_fn_pattern"] = gen_pattern(
-                search_fn, list(example_inputs), trace, kwargs.get("scalar_workaround")
+                search_fn, list(example_inputs), trace, kwargs.get("scalar_workaround"),
+                kwargs.get("exclusive_arg_names", ()),
             )
         register_replacement(
             search_fn,

@@ -44,19 +44,44 @@ inline void rope_interleaved(const X* x, T* out, const C* cos, const C* sin, int
   }
 }
 
-template <bool NEOX, typename X, typename T, typename C>
-inline void rope(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
-  if constexpr (NEOX) {
-    rope_neox(x, out, cos, sin, half);
-  } else {
-    rope_interleaved(x, out, cos, sin, half);
+// transformers' DeepseekV3 layout: interleaved pairs in, the rotated evens then the rotated odds out.
+template <typename X, typename T, typename C>
+inline void rope_interleaved_to_halves(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size();
+  int64_t i = 0;
+  for (; i + V <= half; i += V) {
+    const auto [a, b] = at::vec::deinterleave2(load_floats(x + 2 * i), load_floats(x + 2 * i + V));
+    const Vec c = load_floats(cos + i), s = load_floats(sin + i);
+    store_floats(out + i, a * c - b * s);
+    store_floats(out + half + i, b * c + a * s);
+  }
+  for (; i < half; ++i) {
+    const float a = static_cast<float>(x[2 * i]), b = static_cast<float>(x[2 * i + 1]);
+    const float c = static_cast<float>(cos[i]), s = static_cast<float>(sin[i]);
+    out[i] = static_cast<T>(a * c - b * s);
+    out[half + i] = static_cast<T>(b * c + a * s);
   }
 }
 
-template <bool NEOX, typename T, typename C>
-inline void rope_head(const T* x, T* out, const C* cos_sin, int64_t rotary_dim, int64_t head_size) {
-  const int64_t half = rotary_dim / 2;
-  rope<NEOX>(x, out, cos_sin, cos_sin + half, half);
+// The styles of mla::apply_rope (ops/rope.py).
+enum class RopeStyle { kNeox, kInterleaved, kInterleavedToHalves };
+
+template <RopeStyle S, typename X, typename T, typename C>
+inline void rope(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
+  if constexpr (S == RopeStyle::kNeox) {
+    rope_neox(x, out, cos, sin, half);
+  } else if constexpr (S == RopeStyle::kInterleaved) {
+    rope_interleaved(x, out, cos, sin, half);
+  } else {
+    rope_interleaved_to_halves(x, out, cos, sin, half);
+  }
+}
+
+// One head: its first rotary_dim values rotated, the rest copied.
+template <RopeStyle S, typename T, typename C>
+inline void rope_head(const T* x, T* out, const C* cos, const C* sin, int64_t rotary_dim, int64_t head_size) {
+  rope<S>(x, out, cos, sin, rotary_dim / 2);
   for (int64_t i = rotary_dim; i < head_size; ++i) out[i] = x[i];
 }
 

@@ -1,0 +1,256 @@
+"""rope: the rotary embedding of model code into `mla::apply_rope`, each spelling keeping its own layout.
+
+Spellings found in real graphs, each written below as the model code it matches (one tensor at a
+time: query and key share the cos/sin nodes, which are therefore the pattern's inputs):
+- transformers 5.x DeepseekV3 `apply_rotary_pos_emb_interleave`: step-2 slices, `cat([e c - o s, o c + e s])`,
+  the result de-interleaved (and cached so);
+- rotate_half (`x cos + cat(-x2, x1) sin`): Llama, Qwen2, DeepseekV3 with `rope_interleave=False`;
+- transformers 4.x / DeepSeek's remote code: `view(..., d/2, 2).transpose.reshape`, then rotate_half;
+- DeepseekV2's complex form: `view_as_complex`, times `freqs_cis`, `view_as_real`;
+- serving code's GPT-J rotation in fp32 (`stack(...).flatten(-2)`), as models/mla.py writes it.
+
+rotate_half reads full-width cos/sin, [..., d], and is a rotation of pairs only when both halves
+hold the same angles; `check` proves that from the graph (cos/sin are elementwise functions of
+`cat((freqs, freqs), -1)`, as every rotary module computes them) and otherwise leaves the code alone.
+
+Where the rotated tensor comes out of a fused projection, `merge_into_qkv_a_proj` moves the rotation
+into that kernel's epilogue (k_pe of `mla::qkv_a_proj`).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch._inductor.pattern_matcher import Match
+
+from ..ops.rope import check_apply_args
+from . import node_value, register_fusion, upcast
+
+FUSION = "rope"
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+# --- search functions: the model code ------------------------------------------------------------
+
+
+def interleave_to_halves(x, cos, sin):
+    """transformers' DeepseekV3 (5.x); cos/sin are its [..., d/2] slices, unsqueezed to x's rank."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def rotate_half(x, cos, sin):
+    """Llama's and DeepseekV3's `apply_rotary_pos_emb`; cos/sin [..., d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def deinterleave_rotate_half(x, cos, sin):
+    """transformers 4.x DeepseekV3 / DeepSeek's remote code: pairs gathered into halves, then rotate_half."""
+    b, h, s, d = x.shape
+    x = x.view(b, h, s, d // 2, 2).transpose(4, 3).reshape(b, h, s, d)
+    return rotate_half(x, cos, sin)
+
+
+def complex_rotation(x, freqs_cis):
+    """DeepseekV2's `apply_rotary_emb` (interleaved in and out, in fp32); freqs_cis [..., d/2] complex."""
+    x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(x_ * freqs_cis).flatten(3).type_as(x)
+
+
+def gptj_upcast(x, cos, sin):
+    """Serving code's interleaved rotation, in fp32 (models/mla.py); cos/sin [..., d/2]."""
+    x1, x2 = upcast(x[..., 0::2]), upcast(x[..., 1::2])
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+# --- replacements ---------------------------------------------------------------------------------
+
+
+def _first_half(t):
+    return t[..., : t.shape[-1] // 2]
+
+
+def interleave_to_halves_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, cos, sin, "interleaved_to_halves")
+
+
+def rotate_half_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, _first_half(cos), _first_half(sin), "neox")
+
+
+def deinterleave_rotate_half_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, _first_half(cos), _first_half(sin), "interleaved_to_halves")
+
+
+def complex_rotation_replacement(x, freqs_cis):
+    cos_sin = torch.view_as_real(freqs_cis)
+    return torch.ops.mla.apply_rope(x, cos_sin[..., 0], cos_sin[..., 1], "interleaved")
+
+
+def gptj_upcast_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, cos, sin, "interleaved")
+
+
+# --- preconditions --------------------------------------------------------------------------------
+
+# Ops through which a tensor's last dim keeps its meaning, value for value (or element for element).
+_ELEMENTWISE = {
+    aten.unsqueeze.default, prims.convert_element_type.default, aten.cos.default, aten.sin.default,
+    aten.clone.default, aten._to_copy.default,
+}
+
+
+def _is_repeat_of_halves(node) -> bool:
+    """`cat((f, f), -1)` as Inductor's joint-graph passes leave it: `f.unsqueeze(-2).expand(..., 2, h)`,
+    made contiguous and reshaped to [..., 2 h]."""
+    shape = node.meta["val"].shape
+    source = node.args[0]
+    while source.target in (aten.clone.default, prims.convert_element_type.default):
+        source = source.args[0]
+    source_shape = source.meta["val"].shape
+    if source.target != aten.expand.default or list(source_shape[:-2]) != list(shape[:-1]):
+        return False
+    if source_shape[-2] != 2 or 2 * source_shape[-1] != shape[-1]:
+        return False
+    return source.args[0].meta["val"].shape[-2] == 1
+
+
+def _duplicated_halves(node) -> bool:
+    """Whether `node`'s last dim is an elementwise function of `cat((f, f), -1)`: its halves are equal."""
+    while isinstance(node, torch.fx.Node):
+        if node.target in _ELEMENTWISE or (
+            node.target in (aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor) and not isinstance(node.args[1], torch.fx.Node)
+        ):
+            node = node.args[0]
+        elif node.target == aten.cat.default:
+            parts, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+            rank = node.meta["val"].dim()
+            return len(parts) == 2 and parts[0] is parts[1] and dim in (-1, rank - 1)
+        elif node.target in (aten.view.default, aten.reshape.default):
+            return _is_repeat_of_halves(node)
+        else:
+            return False
+    return False
+
+
+def _check(match: Match, full_width: bool) -> Optional[str]:
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
+    x, out = kw["x"], match.output_node().meta["val"]
+    if out.shape != x.shape or out.dtype != x.dtype:
+        return f"the rotation gives {out.dtype}{list(out.shape)} from x {x.dtype}{list(x.shape)}: not x's shape and dtype"
+    if "freqs_cis" in kw:
+        freqs = kw["freqs_cis"]
+        if not freqs.is_complex():
+            return f"freqs_cis is {freqs.dtype}, not complex"
+        cos = torch.view_as_real(freqs)[..., 0]
+        sin = cos
+    else:
+        cos, sin = kw["cos"], kw["sin"]
+    if full_width:
+        if cos.shape[-1] != x.shape[-1]:
+            return f"cos/sin are {list(cos.shape)}, not full width {x.shape[-1]}"
+        for name in ("cos", "sin"):
+            if not _duplicated_halves(match.kwargs[name]):
+                return f"{name}'s two halves are not provably equal (not an elementwise function of cat((f, f), -1))"
+        cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    elif cos.shape[-1] != x.shape[-1] // 2:
+        return f"cos/sin [..., {cos.shape[-1]}] do not rotate all of x's {x.shape[-1]} values in pairs"
+    try:
+        check_apply_args(x, cos, sin, "neox")
+    except ValueError as error:
+        return str(error).removeprefix("mla::apply_rope: ")
+    return None
+
+
+def check_half_width(match: Match) -> Optional[str]:
+    return _check(match, full_width=False)
+
+
+def check_full_width(match: Match) -> Optional[str]:
+    return _check(match, full_width=True)
+
+
+# --- registration ---------------------------------------------------------------------------------
+
+
+def _inputs(rank: int, dtype: torch.dtype, cos_width: str, cos_dtype=None) -> list:
+    """x [batch, heads, seq, d] (rank 4), [tokens, heads, d] (rank 3) or [tokens, d] (rank 2), with
+    cos/sin broadcast over the heads; all sizes distinct."""
+    x_shape, cos_shape = {4: ((2, 3, 5, 8), (2, 1, 5)), 3: ((5, 3, 8), (5, 1)), 2: ((5, 8), (5,))}[rank]
+    width = {"full": 8, "half": 4}[cos_width]
+    cos = torch.empty(*cos_shape, width, dtype=cos_dtype or dtype)
+    return [torch.empty(x_shape, dtype=dtype), cos, torch.empty_like(cos)]
+
+
+def register() -> None:
+    # The slices' dims and steps are not part of a pattern (the strict re-trace of each match checks
+    # them), so one registration serves every rank; dtypes differ where the search function casts.
+    register_fusion(FUSION, interleave_to_halves, interleave_to_halves_replacement, _inputs(4, torch.float32, "half"),
+                    check_half_width)
+    register_fusion(FUSION, rotate_half, rotate_half_replacement, _inputs(4, torch.float32, "full"), check_full_width)
+    register_fusion(FUSION, deinterleave_rotate_half, deinterleave_rotate_half_replacement,
+                    _inputs(4, torch.float32, "full"), check_full_width)
+    for dtype in (torch.bfloat16, torch.float32):
+        # the fp32 rotation: cos/sin in fp32 whatever x's dtype
+        register_fusion(FUSION, gptj_upcast, gptj_upcast_replacement, _inputs(3, dtype, "half", torch.float32),
+                        check_half_width)
+        register_fusion(FUSION, complex_rotation, complex_rotation_replacement,
+                        [torch.empty(2, 3, 5, 8, dtype=dtype), torch.empty(2, 1, 5, 4, dtype=torch.complex64)],
+                        check_half_width)
+
+
+# --- the rotation of k_pe into the projection that produces it -------------------------------------
+
+_QKV_A_PROJ = torch.ops.mla.qkv_a_proj.default
+_APPLY_ROPE = torch.ops.mla.apply_rope.default
+
+
+def _rope_of_k_pe(rope: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Optional[torch.fx.Node]]]:
+    """(qkv_a_proj node, view or None) when `rope` rotates k_pe of a qkv_a_proj and nothing else reads
+    the unrotated k_pe; the view is transformers' `k_pe.view(B, 1, S, R)`, which keeps the rows."""
+    x = rope.args[0]
+    view = None
+    if x.target in (aten.view.default, aten.reshape.default) and len(x.users) == 1:
+        view, x = x, x.args[0]
+        if view.meta["val"].shape[-1] != x.meta["val"].shape[-1]:
+            return None
+    if x.target is not operator.getitem or x.args[1] != 2 or len(x.users) != 1:
+        return None
+    proj = x.args[0]
+    if proj.target is not _QKV_A_PROJ or proj.kwargs.get("k_cos") is not None:
+        return None
+    return proj, view
+
+
+def merge_into_qkv_a_proj(graph: torch.fx.Graph) -> int:
+    """`apply_rope(k_pe of mla::qkv_a_proj)` -> the projection's k_cos / k_sin epilogue, which rotates
+    k_pe from its fp32 GEMM row: one kernel for the whole cache row, and one rounding fewer.
+    Returns how many rotations moved."""
+    merged = 0
+    for rope in list(graph.nodes):
+        if rope.target is not _APPLY_ROPE:
+            continue
+        found = _rope_of_k_pe(rope)
+        if found is None:
+            continue
+        proj, view = found
+        x, cos, sin, style = rope.args
+        rows = list(proj.meta["val"][2].shape[:-1])
+        half = cos.meta["val"].shape[-1]
+        per_row = []
+        with graph.inserting_before(proj):
+            for t in (cos, sin):
+                # one row of cos/sin per k_pe row, in the projection's row order (the view kept it)
+                expanded = graph.call_function(aten.expand.default, (t, [*x.meta["val"].shape[:-1], half]))
+                expanded.meta["val"] = t.meta["val"].expand(*x.meta["val"].shape[:-1], half)
+                row = graph.call_function(aten.reshape.default, (expanded, [*rows, half]))
+                row.meta["val"] = expanded.meta["val"].reshape(*rows, half)
+                per_row.append(row)
+        proj.kwargs = {**proj.kwargs, "k_cos": per_row[0], "k_sin": per_row[1], "k_rope_style": style}
+        rope.replace_all_uses_with(x)
+        graph.erase_node(rope)
+        merged += 1
+    return merged
