@@ -76,6 +76,12 @@ def _normalize_module_path(raw: str) -> str:
     return path.strip(".")
 
 
+def record_fired(fusion: str, where: str, node: str, stage: str) -> None:
+    """Count a fusion found by a graph walk rather than by a pattern's check."""
+    _events.append(Event(fusion, where, node, stage))
+    counters[COUNTER_KEY][fusion] += 1
+
+
 def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) -> Callable[[Match], bool]:
     """Turn `check(match) -> reason | None` into an `extra_check` that records and counts."""
 

@@ -52,6 +52,7 @@ class MLAPass(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from .patterns import register_all
+        from .patterns.qkv_proj_with_rope import count_whole_chains
         from .patterns.rope import merge_into_qkv_a_proj
 
         register_all()
@@ -60,7 +61,10 @@ class MLAPass(CustomGraphPass):
         mla_config.set_active(self.config)
         changed = _PASSES[self.stage].apply(graph)
         if self.config.enabled("rope") and self.config.enabled("qkv_a_proj"):
-            changed += merge_into_qkv_a_proj(graph)
+            merged = merge_into_qkv_a_proj(graph)
+            if merged and self.config.enabled("qkv_proj_with_rope"):
+                count_whole_chains(merged, self.stage)
+            changed = changed or bool(merged)
         if changed:
             # A multi-output replacement is inserted before the earliest output of its match, which
             # may precede an input defined between the outputs (a lifted eps' cast, say).

@@ -8,7 +8,10 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from graph_utils import rewritten
+import mla_inductor
+from graph_utils import rewritten, serving_model_decode
+from mla_inductor.models import get_config
+from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.rope import apply_rope_fp64, reference_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
@@ -318,3 +321,39 @@ apply_rope_default = mla.apply_rope(arg2_1, unsqueeze_2, unsqueeze_3, interleave
     def test_not_when_switched_off(self):
         graph = rewritten(v3_interleave, *spelling_inputs(torch.bfloat16), stage="post_grad", fusions={"rope": False})
         self.assertNotIn("apply_rope", graph)
+
+
+# --- real models -----------------------------------------------------------------------------------
+
+HF_ROPES = {
+    "v3_interleave": ("v3", {}),
+    "v3_rotate_half": ("v3", {"rope_interleave": False}),
+    "v2_complex": ("v2", {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_ROPES))
+def test_transformers_prefill_fires_per_layer_and_matches_eager(name):
+    """q_pe and k_pe of every layer; k_pe's rotation then moves into qkv_a_proj's epilogue."""
+    arch, overrides = HF_ROPES[name]
+    model = build_hf_model(get_config("tiny", num_layers=2), arch=arch, dtype=torch.bfloat16, **overrides)
+    ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        graph = rewritten(lambda ids: model(ids, use_cache=False).logits, ids, stage="post_grad")
+        assert mla_inductor.fusion_counts()["rope"] == 4
+        assert graph.count("mla.apply_rope") == 2 and graph.count("k_cos=") == 2, graph
+        mla_inductor.reset_counts()
+        torch._dynamo.reset()
+        actual = torch.compile(lambda ids: model(ids, use_cache=False).logits, backend="mla_inductor")(ids)
+    assert mla_inductor.fusion_counts()["rope"] == 4
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
+
+
+def test_serving_model_runs_the_whole_chain_as_qkv_proj_with_rope():
+    """Per layer: qkv_a_proj rotating k_pe, q_b_absorb on its q latent (q_pe's rotation inside it)."""
+    expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True)
+    counts = mla_inductor.fusion_counts()
+    assert counts["qkv_proj_with_rope"] == counts["rope"] == counts["q_b_absorb"] == 2, counts
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)

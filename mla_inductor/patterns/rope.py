@@ -225,32 +225,55 @@ def _rope_of_k_pe(rope: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Optional
     return proj, view
 
 
-def merge_into_qkv_a_proj(graph: torch.fx.Graph) -> int:
+def _size_args(graph: torch.fx.Graph, shape, source: torch.fx.Node) -> Optional[list]:
+    """`shape` as arguments of a new node inserted before `source`'s users: ints as they are, a dynamic
+    size as a `sym_size` of the dim of `source` that has it (None if none has)."""
+    source_shape = source.meta["val"].shape
+    args = []
+    for size in shape:
+        if not isinstance(size, torch.SymInt):
+            args.append(int(size))
+            continue
+        dims = [d for d, s in enumerate(source_shape) if isinstance(s, torch.SymInt) and s.node.expr == size.node.expr]
+        if not dims:
+            return None
+        node = graph.call_function(aten.sym_size.int, (source, dims[0]))
+        node.meta["val"] = size
+        args.append(node)
+    return args
+
+
+def merge_into_qkv_a_proj(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """`apply_rope(k_pe of mla::qkv_a_proj)` -> the projection's k_cos / k_sin epilogue, which rotates
     k_pe from its fp32 GEMM row: one kernel for the whole cache row, and one rounding fewer.
-    Returns how many rotations moved."""
-    merged = 0
+    Returns the projections that took a rotation."""
+    merged = []
     for rope in list(graph.nodes):
         if rope.target is not _APPLY_ROPE:
             continue
         found = _rope_of_k_pe(rope)
         if found is None:
             continue
-        proj, view = found
+        proj, _ = found
         x, cos, sin, style = rope.args
-        rows = list(proj.meta["val"][2].shape[:-1])
+        hidden = proj.args[0]
         half = cos.meta["val"].shape[-1]
+        rows = proj.meta["val"][2].shape[:-1]
+        rope_rows = x.meta["val"].shape[:-1]
         per_row = []
         with graph.inserting_before(proj):
+            # one row of cos/sin per k_pe row, in the projection's row order (the view kept it)
+            expand_size, row_size = _size_args(graph, [*rope_rows, half], hidden), _size_args(graph, [*rows, half], hidden)
+            if expand_size is None or row_size is None:
+                continue
             for t in (cos, sin):
-                # one row of cos/sin per k_pe row, in the projection's row order (the view kept it)
-                expanded = graph.call_function(aten.expand.default, (t, [*x.meta["val"].shape[:-1], half]))
-                expanded.meta["val"] = t.meta["val"].expand(*x.meta["val"].shape[:-1], half)
-                row = graph.call_function(aten.reshape.default, (expanded, [*rows, half]))
+                expanded = graph.call_function(aten.expand.default, (t, expand_size))
+                expanded.meta["val"] = t.meta["val"].expand(*rope_rows, half)
+                row = graph.call_function(aten.reshape.default, (expanded, row_size))
                 row.meta["val"] = expanded.meta["val"].reshape(*rows, half)
                 per_row.append(row)
         proj.kwargs = {**proj.kwargs, "k_cos": per_row[0], "k_sin": per_row[1], "k_rope_style": style}
         rope.replace_all_uses_with(x)
         graph.erase_node(rope)
-        merged += 1
+        merged.append(proj)
     return merged
