@@ -269,6 +269,62 @@ def test_each_spelling_fires_and_matches_its_eager_code(spelling, dtype):
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
 
 
+def _native_rotation(x, cos, sin, is_neox):
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1) if is_neox else (x[..., ::2], x[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def serving_forward_native(positions, query, key, cos_sin_cache, is_neox):
+    """vLLM's / SGLang's RotaryEmbedding.forward_native on [T, H, head_size] heads: cos|sin gathered by
+    positions, the first rotary_dim values rotated, the rest passed through."""
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+    out = []
+    for x in (query, key):
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        out.append(torch.cat((_native_rotation(x_rot, cos, sin, is_neox), x_pass), dim=-1))
+    return out
+
+
+@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("rotary_dim", [16, 10])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_serving_forward_native_fires_and_matches_its_eager_code(is_neox, rotary_dim, dtype):
+    g = torch.Generator().manual_seed(4)
+    positions = torch.tensor([5, 0, 9, 3])
+    query, key = torch.randn(4, 6, 16, generator=g).to(dtype), torch.randn(4, 1, 16, generator=g).to(dtype)
+    cos, sin = rotary_cos_sin(torch.arange(12), rotary_dim, torch.float32)
+    cache = torch.cat([cos[:, : rotary_dim // 2], sin[:, : rotary_dim // 2]], dim=-1)  # fp32, as engines keep it
+    fn = functools.partial(serving_forward_native, is_neox=is_neox)
+    graph = rewritten(fn, positions, query, key, cache, stage="post_grad")
+    assert graph.count("mla.apply_rope") == 2, graph
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="mla_inductor")(positions, query, key, cache)
+    for out, expected in zip(actual, fn(positions, query, key, cache)):
+        torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
+
+
+def test_query_and_key_with_different_rotary_dims():
+    """Each tensor's rotation is its own match: q rotates 16 of 24 values, k 8 of 12."""
+    g = torch.Generator().manual_seed(5)
+    positions = torch.tensor([1, 4, 2])
+    query, key = torch.randn(3, 4, 24, generator=g), torch.randn(3, 1, 12, generator=g)
+    q_cache, k_cache = (torch.randn(8, r, generator=g) for r in (16, 8))
+
+    def fn(positions, query, key, q_cache, k_cache):
+        return (serving_forward_native(positions, query, query, q_cache, False)[0],
+                serving_forward_native(positions, key, key, k_cache, True)[1])
+
+    graph = rewritten(fn, positions, query, key, q_cache, k_cache, stage="post_grad")
+    assert "interleaved)" in graph and "neox)" in graph, graph
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="mla_inductor")(positions, query, key, q_cache, k_cache)
+    for out, expected in zip(actual, fn(positions, query, key, q_cache, k_cache)):
+        torch.testing.assert_close(out, expected)
+
+
 class TestRewrite(expecttest.TestCase):
     def test_v3_interleave_graph(self):
         graph = rewritten(v3_interleave, *spelling_inputs(torch.bfloat16), stage="post_grad")

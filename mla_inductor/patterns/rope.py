@@ -7,7 +7,11 @@ time: query and key share the cos/sin nodes, which are therefore the pattern's i
 - rotate_half (`x cos + cat(-x2, x1) sin`): Llama, Qwen2, DeepseekV3 with `rope_interleave=False`;
 - transformers 4.x / DeepSeek's remote code: `view(..., d/2, 2).transpose.reshape`, then rotate_half;
 - DeepseekV2's complex form: `view_as_complex`, times `freqs_cis`, `view_as_real`;
-- serving code's GPT-J rotation in fp32 (`stack(...).flatten(-2)`), as models/mla.py writes it.
+- serving code's GPT-J rotation in fp32 (`stack(...).flatten(-2)`), as models/mla.py writes it;
+- vLLM's / SGLang's `RotaryEmbedding.forward_native`: cos|sin gathered from `cos_sin_cache[positions]`,
+  cast to x's dtype, NeoX or GPT-J pairs, and partial rotary dims (`cat((rotated, x[..., rotary_dim:]))`).
+  The gather is shared by query and key and stays as it is; each tensor's rotation becomes an op, so
+  query and key may have different head sizes and rotary dims.
 
 rotate_half reads full-width cos/sin, [..., d], and is a rotation of pairs only when both halves
 hold the same angles; `check` proves that from the graph (cos/sin are elementwise functions of
@@ -66,6 +70,32 @@ def gptj_upcast(x, cos, sin):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
+def _native_rotation(x, cos, sin, is_neox):
+    """forward_native's `_apply_rotary_emb`: cos/sin [tokens, r/2], x [tokens, heads, r]."""
+    cos, sin = cos.unsqueeze(-2).to(x.dtype), sin.unsqueeze(-2).to(x.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1) if is_neox else (x[..., ::2], x[..., 1::2])
+    o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    return torch.cat((o1, o2), dim=-1) if is_neox else torch.stack((o1, o2), dim=-1).flatten(-2)
+
+
+def native_gptj(x, cos, sin):
+    return _native_rotation(x, cos, sin, is_neox=False)
+
+
+def native_neox(x, cos, sin):
+    return _native_rotation(x, cos, sin, is_neox=True)
+
+
+def native_gptj_partial(x, cos, sin):
+    rotary_dim = 2 * cos.shape[-1]
+    return torch.cat((_native_rotation(x[..., :rotary_dim], cos, sin, is_neox=False), x[..., rotary_dim:]), dim=-1)
+
+
+def native_neox_partial(x, cos, sin):
+    rotary_dim = 2 * cos.shape[-1]
+    return torch.cat((_native_rotation(x[..., :rotary_dim], cos, sin, is_neox=True), x[..., rotary_dim:]), dim=-1)
+
+
 # --- replacements ---------------------------------------------------------------------------------
 
 
@@ -92,6 +122,14 @@ def complex_rotation_replacement(x, freqs_cis):
 
 def gptj_upcast_replacement(x, cos, sin):
     return torch.ops.mla.apply_rope(x, cos, sin, "interleaved")
+
+
+def native_gptj_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2), "interleaved")
+
+
+def native_neox_replacement(x, cos, sin):
+    return torch.ops.mla.apply_rope(x, cos.unsqueeze(-2), sin.unsqueeze(-2), "neox")
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -136,7 +174,8 @@ def _duplicated_halves(node) -> bool:
     return False
 
 
-def _check(match: Match, full_width: bool) -> Optional[str]:
+def _check(match: Match, full_width: bool, partial: bool = False, per_token: bool = False) -> Optional[str]:
+    """`per_token`: cos/sin are [tokens, r/2], which the replacement unsqueezes over the heads."""
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     x, out = kw["x"], match.output_node().meta["val"]
     if out.shape != x.shape or out.dtype != x.dtype:
@@ -149,6 +188,8 @@ def _check(match: Match, full_width: bool) -> Optional[str]:
         sin = cos
     else:
         cos, sin = kw["cos"], kw["sin"]
+    if per_token:
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     if full_width:
         if cos.shape[-1] != x.shape[-1]:
             return f"cos/sin are {list(cos.shape)}, not full width {x.shape[-1]}"
@@ -156,7 +197,9 @@ def _check(match: Match, full_width: bool) -> Optional[str]:
             if not _duplicated_halves(match.kwargs[name]):
                 return f"{name}'s two halves are not provably equal (not an elementwise function of cat((f, f), -1))"
         cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
-    elif cos.shape[-1] != x.shape[-1] // 2:
+    elif partial and not 2 * cos.shape[-1] < x.shape[-1]:
+        return f"cos/sin [..., {cos.shape[-1]}] rotate all of x's {x.shape[-1]} values: not a partial rotation"
+    elif not partial and cos.shape[-1] != x.shape[-1] // 2:
         return f"cos/sin [..., {cos.shape[-1]}] do not rotate all of x's {x.shape[-1]} values in pairs"
     try:
         check_apply_args(x, cos, sin, "neox")
@@ -171,6 +214,14 @@ def check_half_width(match: Match) -> Optional[str]:
 
 def check_full_width(match: Match) -> Optional[str]:
     return _check(match, full_width=True)
+
+
+def check_per_token(match: Match) -> Optional[str]:
+    return _check(match, full_width=False, per_token=True)
+
+
+def check_per_token_partial(match: Match) -> Optional[str]:
+    return _check(match, full_width=False, partial=True, per_token=True)
 
 
 # --- registration ---------------------------------------------------------------------------------
@@ -200,6 +251,15 @@ def register() -> None:
         register_fusion(FUSION, complex_rotation, complex_rotation_replacement,
                         [torch.empty(2, 3, 5, 8, dtype=dtype), torch.empty(2, 1, 5, 4, dtype=torch.complex64)],
                         check_half_width)
+        # forward_native: a cache in another dtype than x is cast (bf16 x), one in x's dtype is not (fp32 x)
+        x, x_partial, cos = torch.empty(5, 3, 8, dtype=dtype), torch.empty(5, 3, 12, dtype=dtype), torch.empty(5, 4)
+        for search_fn, replace_fn, example, check in (
+            (native_gptj, native_gptj_replacement, x, check_per_token),
+            (native_neox, native_neox_replacement, x, check_per_token),
+            (native_gptj_partial, native_gptj_replacement, x_partial, check_per_token_partial),
+            (native_neox_partial, native_neox_replacement, x_partial, check_per_token_partial),
+        ):
+            register_fusion(FUSION, search_fn, replace_fn, [example, cos, torch.empty_like(cos)], check)
 
 
 # --- the rotation of k_pe into the projection that produces it -------------------------------------
