@@ -20,6 +20,7 @@ from . import config as mla_config
 
 STAGES = ("joint", "post_grad")
 _PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
+_MAX_ROUNDS = 3
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".hpp", ".j2", ".jinja"}
 
@@ -59,7 +60,13 @@ class MLAPass(CustomGraphPass):
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
-        changed = _PASSES[self.stage].apply(graph)
+        changed = False
+        # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's
+        # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
+        for _ in range(_MAX_ROUNDS):
+            if not _PASSES[self.stage].apply(graph):
+                break
+            changed = True
         if self.config.enabled("rope") and self.config.enabled("qkv_a_proj"):
             merged = merge_into_qkv_a_proj(graph)
             if merged and self.config.enabled("qkv_proj_with_rope"):

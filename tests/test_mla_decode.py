@@ -336,9 +336,10 @@ def greedy(model, cache, prompt, steps, step_fn=None):
     return torch.cat(tokens, 1), torch.stack(logits)
 
 
-def hf_case(arch, dtype, batch, prompt_len=12, **overrides):
+def hf_case(arch, dtype, batch, prompt_len=12, hf_overrides=None, **overrides):
+    """`overrides` change our config, `hf_overrides` the transformers config built from it."""
     config = get_config("tiny", num_layers=2, **overrides)
-    model = build_hf_model(config, arch=arch, dtype=dtype)
+    model = build_hf_model(config, arch=arch, dtype=dtype, **(hf_overrides or {}))
     prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     return config, model, prompt
 
@@ -373,20 +374,31 @@ def test_transformers_static_cache_still_fires_once_shapes_turn_dynamic():
     assert mla_inductor.fusion_counts()["mla_decode"] == 2 * config.num_layers  # the static and the dynamic graph
 
 
-def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager():
-    config, model, prompt = hf_case("v3", torch.float32, batch=2)
+def assert_whole_layer_fused(counts, layers, q_lora=True):
+    """Per layer: qkv_a_proj rotating k_pe, latent attention and, with a q LoRA, q_b_absorb for its query
+    (without one, q_proj is part of qkv_a_proj and the absorption stays a bmm)."""
+    assert counts["mla_decode"] == counts["qkv_a_proj"] == layers, counts
+    assert counts["q_b_absorb"] == counts["qkv_proj_with_rope"] == (layers if q_lora else 0), counts
+    assert counts["rope"] == 2 * layers, counts  # q_pe and k_pe
+
+
+@pytest.mark.parametrize("rope_interleave", [True, False])
+def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager(rope_interleave):
+    config, model, prompt = hf_case("v3", torch.float32, batch=2, hf_overrides={"rope_interleave": rope_interleave})
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=48)  # noqa: E731
     (expected_tokens, expected_logits), (tokens, logits) = eager_and_compiled(model, prompt, make_cache, steps=16)
-    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    assert_whole_layer_fused(mla_inductor.fusion_counts(), config.num_layers)
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_transformers_v2_static_cache_bf16_batch_1_logits_within_tolerance():
-    config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, q_lora_rank=None)
+@pytest.mark.parametrize("q_lora", [False, True], ids=["v2_lite", "q_lora"])
+def test_transformers_v2_static_cache_bf16_batch_1_logits_within_tolerance(q_lora):
+    """DeepseekV2: complex rope. V2-Lite has no q LoRA; with one, the query is absorbed by q_b_absorb."""
+    config, model, prompt = hf_case("v2", torch.bfloat16, batch=1, **({} if q_lora else {"q_lora_rank": None}))
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=40)  # noqa: E731
     (_, expected_logits), (_, logits) = eager_and_compiled(model, prompt, make_cache, steps=4)
-    assert mla_inductor.fusion_counts()["mla_decode"] == config.num_layers
+    assert_whole_layer_fused(mla_inductor.fusion_counts(), config.num_layers, q_lora=q_lora)
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
 
 

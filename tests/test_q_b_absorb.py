@@ -37,8 +37,8 @@ def make_args(tokens, dtype, heads=3, nope=16, rope=8, latent=40, q_lora_rank=48
     )
 
 
-def assert_matches_fp64(out, args, is_neox):
-    reference = reference_fp64(**args, is_neox=is_neox)
+def assert_matches_fp64(out, args, rope_style):
+    reference = reference_fp64(**args, rope_style=rope_style)
     tol = TOLERANCE[args["q_a"].dtype]
     assert out.dtype == args["q_a"].dtype and out.shape == reference.shape
     torch.testing.assert_close(out.double(), reference, atol=tol, rtol=tol)
@@ -48,11 +48,11 @@ def assert_matches_fp64(out, args, is_neox):
 # --- the op ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("rope_style", ["interleaved", "neox", "interleaved_to_halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_op_matches_fp64_reference(dtype, is_neox):
+def test_op_matches_fp64_reference(dtype, rope_style):
     args = make_args(5, dtype)
-    assert_matches_fp64(op(**args, is_neox=is_neox), args, is_neox)
+    assert_matches_fp64(op(**args, rope_style=rope_style), args, rope_style)
 
 
 @pytest.mark.parametrize(
@@ -70,30 +70,30 @@ def test_op_matches_fp64_reference(dtype, is_neox):
 def test_op_rejects_bad_input_naming_the_argument(change, message):
     args = dict(make_args(5, torch.float32), **change)
     with pytest.raises(ValueError, match=message):
-        op(**args, is_neox=False)
+        op(**args, rope_style="interleaved")
 
 
 # --- the template ----------------------------------------------------------------------------------
 
 
 @functools.cache
-def compiled_op(is_neox):
+def compiled_op(rope_style):
     """Token count dynamic: one compile per rotation style (and dtype) serves every row count."""
-    return torch.compile(lambda q_a, q_b_weight, w_kc, cos, sin: op(q_a, q_b_weight, w_kc, cos, sin, is_neox))
+    return torch.compile(lambda q_a, q_b_weight, w_kc, cos, sin: op(q_a, q_b_weight, w_kc, cos, sin, rope_style))
 
 
-@pytest.mark.parametrize("is_neox", [False, True])
+@pytest.mark.parametrize("rope_style", ["interleaved", "neox", "interleaved_to_halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_template_matches_reference_and_is_no_less_accurate_than_eager(dtype, is_neox):
+def test_template_matches_reference_and_is_no_less_accurate_than_eager(dtype, rope_style):
     for tokens in (1, 3, 17, 64):
         args = make_args(tokens, dtype, seed=tokens)
         torch._dynamo.maybe_mark_dynamic(args["q_a"], 0)
         torch._dynamo.maybe_mark_dynamic(args["cos"], 0)
         torch._dynamo.maybe_mark_dynamic(args["sin"], 0)
-        out, (code,) = run_and_get_code(compiled_op(is_neox), **args)
+        out, (code,) = run_and_get_code(compiled_op(rope_style), **args)
         assert "mi::absorb_row" in code and "torch.ops.mla.q_b_absorb" not in code
-        ours = assert_matches_fp64(out, args, is_neox)
-        eager = (op(**args, is_neox=is_neox).double() - reference_fp64(**args, is_neox=is_neox)).abs().max().item()
+        ours = assert_matches_fp64(out, args, rope_style)
+        eager = (op(**args, rope_style=rope_style).double() - reference_fp64(**args, rope_style=rope_style)).abs().max().item()
         assert ours <= 2 * eager + 1e-7, (tokens, ours, eager)
 
 
@@ -102,8 +102,8 @@ def test_template_w_kc_as_a_transposed_view():
     and must reach the kernel as rows dense along kv_lora_rank."""
     args = make_args(3, torch.bfloat16)
     w_kc_sglang = args["w_kc"].transpose(1, 2).contiguous()
-    fn = torch.compile(lambda q_a, q_b_weight, w, cos, sin: op(q_a, q_b_weight, w.transpose(1, 2), cos, sin, False))
-    assert_matches_fp64(fn(args["q_a"], args["q_b_weight"], w_kc_sglang, args["cos"], args["sin"]), args, False)
+    fn = torch.compile(lambda q_a, q_b_weight, w, cos, sin: op(q_a, q_b_weight, w.transpose(1, 2), cos, sin, "interleaved"))
+    assert_matches_fp64(fn(args["q_a"], args["q_b_weight"], w_kc_sglang, args["cos"], args["sin"]), args, "interleaved")
 
 
 class DirectCall(nn.Module):
@@ -113,7 +113,7 @@ class DirectCall(nn.Module):
         self.w_kc = nn.Parameter(args["w_kc"], requires_grad=False)
 
     def forward(self, q_a, cos, sin):
-        return op(q_a, self.q_b_weight, self.w_kc, cos, sin, False)
+        return op(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX512-BF16")
@@ -124,8 +124,8 @@ def test_template_with_q_b_weight_and_w_kc_packed_under_freezing():
     with benchmarking.inference_freezing(), torch.no_grad():
         out, (code,) = run_and_get_code(torch.compile(model), args["q_a"], args["cos"], args["sin"])
     assert "mi::packed_task" in code and "mi::nt_task" not in code and "mi::absorb_row" not in code
-    ours = assert_matches_fp64(out, args, False)
-    eager = (op(**args, is_neox=False).double() - reference_fp64(**args, is_neox=False)).abs().max().item()
+    ours = assert_matches_fp64(out, args, "interleaved")
+    eager = (op(**args, rope_style="interleaved").double() - reference_fp64(**args, rope_style="interleaved")).abs().max().item()
     assert ours <= 2 * eager + 1e-7, (ours, eager)
 
 
@@ -167,7 +167,7 @@ class TestRewrite(expecttest.TestCase):
         self.assertExpectedInline(graph, """\
 view_2 = view(arg4_1, [3, 32, 40])
 slice_3 = slice.Tensor(view_2, 1, 0, 16)
-q_b_absorb_default = mla.q_b_absorb(arg0_1, arg1_1, slice_3, arg2_1, arg3_1, False)
+q_b_absorb_default = mla.q_b_absorb(arg0_1, arg1_1, slice_3, arg2_1, arg3_1, interleaved)
 mul_4 = mul.Tensor(q_b_absorb_default, 2)""")
 
     def test_not_for_a_neox_rotation(self):

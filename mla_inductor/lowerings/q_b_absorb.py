@@ -19,9 +19,9 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class QBAbsorbTemplate(FusedOpTemplate):
     template_file = "q_b_absorb.cpp.j2"
 
-    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, is_neox: bool) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, rope_style: str) -> None:
         super().__init__("mla_q_b_absorb", inputs, layout)
-        self.dims, self.is_neox = dims, is_neox
+        self.dims, self.rope_style = dims, rope_style
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
@@ -38,7 +38,7 @@ class QBAbsorbTemplate(FusedOpTemplate):
             w_kc_stride_d=None if packed else kernel.stride(w_kc, 1),
             ld_cos=kernel.stride(self.inputs["COS"], 0),
             ld_sin=kernel.stride(self.inputs["SIN"], 0),
-            rope_style=cpp_rope_style("neox" if self.is_neox else "interleaved"),
+            rope_style=cpp_rope_style(self.rope_style),
             **self.dims,
         )
 
@@ -52,7 +52,7 @@ def _static_dims(q_a, q_b_weight, w_kc, cos) -> dict | None:
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
-def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
+def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style):
     dims = _static_dims(q_a, q_b_weight, w_kc, cos)
     if (
         dims is None
@@ -61,7 +61,7 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
         or q_a.get_dtype() not in SUPPORTED_DTYPES
         or cos.get_dtype() not in SUPPORTED_DTYPES
     ):
-        return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, is_neox)
+        return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, rope_style)
     frozen = frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
     packed = packed_w_kc = None
     if frozen is not None:
@@ -80,4 +80,4 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, is_neox):
     }
     tokens = q_a.get_size()[0]
     layout = ir.FixedLayout(q_a.get_device(), q_a.get_dtype(), [tokens, dims["H"], dims["L"] + dims["ROPE"]])
-    return QBAbsorbTemplate(inputs, layout, dims, is_neox).select()
+    return QBAbsorbTemplate(inputs, layout, dims, rope_style).select()

@@ -6,8 +6,9 @@
 
 W_kc [H, nope, L] is the key half of kv_b_proj's weight seen per head (absorbing it lets attention
 run over the latent cache rows directly; mla_decode). cos and sin are each token's [T, R / 2]
-values: interleaved pairs (x[2i], x[2i+1]) as DeepSeek rotates them, or rotate_half pairs with
-`is_neox`. This is the query part of SGLang's `qkv_proj_with_rope`.
+values, rotating q_pe in one of mla::apply_rope's styles: "interleaved" pairs (x[2i], x[2i+1]) as
+DeepSeek's serving code rotates them, "neox" (rotate_half) pairs, or "interleaved_to_halves", the
+layout transformers' DeepseekV3 produces. This is the query part of SGLang's `qkv_proj_with_rope`.
 
 The eager implementation is the reference: q, q_lat and the rotation in fp32, one rounding of the
 output (eager model code rounds q to bf16 before the bmm; the fused path is more accurate).
@@ -18,14 +19,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .rope import SUPPORTED_DTYPES, rotate_pairs
+from .rope import ROPE_STYLES, SUPPORTED_DTYPES, rotate_pairs
 
 
 def _fail(message: str) -> None:
     raise ValueError(f"mla::q_b_absorb: {message}")
 
 
-def check_args(q_a, q_b_weight, w_kc, cos, sin) -> None:
+def check_args(q_a, q_b_weight, w_kc, cos, sin, rope_style="interleaved") -> None:
+    if rope_style not in ROPE_STYLES:
+        _fail(f"rope_style must be one of {ROPE_STYLES}, got {rope_style!r}")
     for name, t in (("q_a", q_a), ("q_b_weight", q_b_weight), ("w_kc", w_kc), ("cos", cos), ("sin", sin)):
         if not isinstance(t, Tensor):
             _fail(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -53,24 +56,24 @@ def check_args(q_a, q_b_weight, w_kc, cos, sin) -> None:
 
 
 @torch.library.custom_op("mla::q_b_absorb", mutates_args=())
-def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: Tensor, is_neox: bool) -> Tensor:
-    check_args(q_a, q_b_weight, w_kc, cos, sin)
+def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: Tensor, rope_style: str) -> Tensor:
+    check_args(q_a, q_b_weight, w_kc, cos, sin, rope_style)
     compute = torch.promote_types(q_a.dtype, torch.float32)
     heads, nope, _ = w_kc.shape
     q = (q_a.to(compute) @ q_b_weight.to(compute).T).view(q_a.shape[0], heads, -1)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_kc.to(compute))
-    q_pe = rotate_pairs(q_pe, cos[:, None], sin[:, None], is_neox)
+    q_pe = rotate_pairs(q_pe, cos[:, None], sin[:, None], rope_style == "neox", rope_style == "interleaved_to_halves")
     return torch.cat([q_lat, q_pe], dim=-1).to(q_a.dtype)
 
 
 @q_b_absorb.register_fake
-def _(q_a, q_b_weight, w_kc, cos, sin, is_neox):
-    check_args(q_a, q_b_weight, w_kc, cos, sin)
+def _(q_a, q_b_weight, w_kc, cos, sin, rope_style):
+    check_args(q_a, q_b_weight, w_kc, cos, sin, rope_style)
     return q_a.new_empty(q_a.shape[0], w_kc.shape[0], w_kc.shape[2] + 2 * cos.shape[1])
 
 
-def reference_fp64(q_a, q_b_weight, w_kc, cos, sin, is_neox) -> Tensor:
+def reference_fp64(q_a, q_b_weight, w_kc, cos, sin, rope_style) -> Tensor:
     """An independent fp64 computation, head by head, for tests."""
     d = torch.float64
     heads, nope, latent = w_kc.shape
@@ -82,8 +85,9 @@ def reference_fp64(q_a, q_b_weight, w_kc, cos, sin, is_neox) -> Tensor:
         out[:, h, :latent] = head[:, :nope] @ w_kc[h].to(d)
         pe = head[:, nope:]
         for i in range(half):
-            ia, ib = (i, i + half) if is_neox else (2 * i, 2 * i + 1)
+            ia, ib = (i, i + half) if rope_style == "neox" else (2 * i, 2 * i + 1)
+            oa, ob = (i, i + half) if rope_style == "interleaved_to_halves" else (ia, ib)
             c, s = cos[:, i].to(d), sin[:, i].to(d)
-            out[:, h, latent + ia] = pe[:, ia] * c - pe[:, ib] * s
-            out[:, h, latent + ib] = pe[:, ib] * c + pe[:, ia] * s
+            out[:, h, latent + oa] = pe[:, ia] * c - pe[:, ib] * s
+            out[:, h, latent + ob] = pe[:, ib] * c + pe[:, ia] * s
     return out

@@ -66,7 +66,7 @@ def _chain(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weight, w_kc, q_a
     q_a, c_kv, k_pe = torch.ops.mla.qkv_a_proj(
         hidden, q_a_proj_weight, kv_a_proj_weight, q_a_norm_weight, kv_a_norm_weight, eps, eps, k_cos=cos, k_sin=sin
     )
-    q_input = torch.ops.mla.q_b_absorb(q_a, q_b_proj_weight, w_kc.transpose(1, 2), cos, sin, False)
+    q_input = torch.ops.mla.q_b_absorb(q_a, q_b_proj_weight, w_kc.transpose(1, 2), cos, sin, "interleaved")
     k_input = torch.cat([c_kv, k_pe], dim=-1).unsqueeze(1)
     return q_input, k_input, k_input[..., : c_kv.shape[-1]]
 

@@ -5,6 +5,12 @@ q_b_proj of the normed q latent, the split of each head into q_nope | q_pe, q_no
 latent space by a bmm with W_kc ([H, nope, L], a view of kv_b_proj's weight), DeepSeek's interleaved RoPE on q_pe,
 both written into one [tokens, heads, kv_lora_rank + rope] query. The op computes all of it from
 the fp32 GEMM row, on the projection templates' GEMM.
+
+transformers' DeepSeek never absorbs: its decode query is q_b_proj, the head split and RoPE, and
+attention runs over decompressed keys. Once mla_decode has rewritten that attention into latent
+attention (which absorbs q_nope with W_kc) and rope has made the rotation an `mla::apply_rope`, the
+same query is there to fuse, in whichever rotation style the model uses: the pass runs again after
+a round of rewrites for this.
 """
 
 from __future__ import annotations
@@ -45,7 +51,28 @@ def absorbed_query(q_a, q_b_weight, w_kc, cos, sin):
 
 
 def absorbed_query_replacement(q_a, q_b_weight, w_kc, cos, sin):
-    return torch.ops.mla.q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, False)
+    return torch.ops.mla.q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, "interleaved")
+
+
+def transformers_absorbed_query(style: str):
+    """transformers' decode query (one new token per request), absorbed by mla_decode's rewrite:
+    q_a [B, 1, q_lora_rank], cos/sin [B or 1, 1, 1, rope / 2] as `mla::apply_rope` takes them."""
+
+    def search(q_a, q_b_weight, w_kc, cos, sin):
+        heads, nope, _ = w_kc.shape
+        rope = 2 * cos.shape[-1]
+        q = F.linear(q_a, q_b_weight).view(q_a.shape[0], 1, -1, nope + rope).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
+        q_pe = torch.ops.mla.apply_rope(q_pe, cos, sin, style)
+        q_lat = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_kc).transpose(0, 1)
+        return torch.cat([q_lat, q_pe[:, :, 0]], dim=-1)
+
+    def replacement(q_a, q_b_weight, w_kc, cos, sin):
+        batch, half = q_a.shape[0], cos.shape[-1]
+        cos, sin = (t.expand(batch, 1, 1, half).reshape(batch, half) for t in (cos, sin))
+        return torch.ops.mla.q_b_absorb(q_a.reshape(batch, -1), q_b_weight, w_kc, cos, sin, style)
+
+    return search, replacement
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -54,6 +81,12 @@ def absorbed_query_replacement(q_a, q_b_weight, w_kc, cos, sin):
 def check(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     q_a, w_kc = kw["q_a"], kw["w_kc"]
+    if q_a.dim() == 3:  # transformers' [B, 1, q_lora_rank]: rows by batch, cos/sin broadcast over it
+        if q_a.shape[1] != 1 or kw["cos"].dim() != 4 or kw["cos"].shape[0] not in (1, q_a.shape[0]):
+            return f"q_a {list(q_a.shape)} with cos {list(kw['cos'].shape)} is not one decode token per request"
+        batch, half = q_a.shape[0], kw["cos"].shape[-1]
+        q_a = q_a.reshape(batch, -1)
+        kw["cos"], kw["sin"] = (kw[n].expand(batch, 1, 1, half).reshape(batch, half) for n in ("cos", "sin"))
     rows = size_hint(q_a.shape[0])
     if not template_wins(rows, q_a.dtype):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
@@ -79,6 +112,17 @@ def _example_inputs(dtype: torch.dtype) -> list:
     ]
 
 
+def _transformers_inputs() -> list:
+    batch, q_lora_rank, heads, nope, kv_lora_rank, rope = 2, 24, 3, 8, 20, 6
+    return [
+        torch.empty(batch, 1, q_lora_rank),
+        torch.empty(heads * (nope + rope), q_lora_rank),
+        torch.empty(heads, nope, kv_lora_rank),
+        torch.empty(batch, 1, 1, rope // 2),
+        torch.empty(batch, 1, 1, rope // 2),
+    ]
+
+
 def register() -> None:
     for dtype in (torch.bfloat16, torch.float32):
         register_fusion(
@@ -89,3 +133,6 @@ def register() -> None:
             check,
             functionalize=True,  # the query is assembled in place
         )
+    for style in ("interleaved_to_halves", "neox", "interleaved"):  # V3, V3 rope_interleave=False, V2
+        search, replacement = transformers_absorbed_query(style)
+        register_fusion(FUSION, search, replacement, _transformers_inputs(), check)

@@ -21,6 +21,7 @@ from ..explain import record_fired
 
 FUSION = "qkv_proj_with_rope"
 _Q_B_ABSORB = torch.ops.mla.q_b_absorb.default
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default)
 
 
 def count_whole_chains(projections: list[torch.fx.Node], stage: str) -> None:
@@ -28,6 +29,8 @@ def count_whole_chains(projections: list[torch.fx.Node], stage: str) -> None:
     Called once per projection, when its k_pe rotation moves in."""
     for proj in projections:
         q_latents = [user for user in proj.users if user.target is operator.getitem and user.args[1] == 0]
+        # transformers' q latent is [B, 1, q_lora_rank]: q_b_absorb reads it flattened
+        q_latents += [view for q_a in q_latents for view in q_a.users if view.target in _VIEWS]
         for q_a in q_latents:
             for user in q_a.users:
                 if user.target is _Q_B_ABSORB and user.args[0] is q_a:
