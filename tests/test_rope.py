@@ -306,6 +306,28 @@ def test_serving_forward_native_fires_and_matches_its_eager_code(is_neox, rotary
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
 
 
+def test_serving_rotation_written_back_in_place_into_q():
+    """DeepSeek serving code: q_pe rotated by forward_native and written back into q[..., nope:]
+    (a slice_scatter once functionalized); k_pe rotated alongside."""
+    g = torch.Generator().manual_seed(6)
+    positions = torch.tensor([2, 7, 0])
+    q, k_pe = torch.randn(3, 4, 24, generator=g).to(torch.bfloat16), torch.randn(3, 1, 8, generator=g).to(torch.bfloat16)
+    cache = torch.randn(10, 8, generator=g)
+
+    def fn(positions, q, k_pe, cache):
+        q = q.clone()
+        q_pe, k_pe = serving_forward_native(positions, q[..., 16:], k_pe, cache, False)
+        q[..., 16:] = q_pe
+        return q, k_pe
+
+    graph = rewritten(fn, positions, q, k_pe, cache, stage="post_grad")
+    assert graph.count("mla.apply_rope") == 2 and "slice_scatter" in graph, graph
+    torch._dynamo.reset()
+    actual = torch.compile(fn, backend="mla_inductor")(positions, q, k_pe, cache)
+    for out, expected in zip(actual, fn(positions, q, k_pe, cache)):
+        torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)
+
+
 def test_query_and_key_with_different_rotary_dims():
     """Each tensor's rotation is its own match: q rotates 16 of 24 values, k 8 of 12."""
     g = torch.Generator().manual_seed(5)

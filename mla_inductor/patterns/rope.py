@@ -184,8 +184,7 @@ def _check(match: Match, full_width: bool, partial: bool = False, per_token: boo
         freqs = kw["freqs_cis"]
         if not freqs.is_complex():
             return f"freqs_cis is {freqs.dtype}, not complex"
-        cos = torch.view_as_real(freqs)[..., 0]
-        sin = cos
+        cos, sin = torch.view_as_real(freqs).unbind(-1)  # what the replacement passes
     else:
         cos, sin = kw["cos"], kw["sin"]
     if per_token:
