@@ -64,6 +64,19 @@ inline void rope_interleaved_to_halves(const X* x, T* out, const C* cos, const C
   }
 }
 
+// transformers' `x cos + rotate_half(x) sin` with full-width cos/sin [2 half]: exact also where the
+// two halves of cos/sin differ (mla::gqa_qkv takes them as the model computes them).
+template <typename X, typename T, typename C>
+inline void rope_neox_full(const X* x, T* out, const C* cos, const C* sin, int64_t half) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < half; i += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), half - i);
+    const Vec a = load_floats(x + i, n), b = load_floats(x + half + i, n);
+    store_floats(out + i, a * load_floats(cos + i, n) - b * load_floats(sin + i, n), n);
+    store_floats(out + half + i, b * load_floats(cos + half + i, n) + a * load_floats(sin + half + i, n), n);
+  }
+}
+
 // The styles of mla::apply_rope (ops/rope.py).
 enum class RopeStyle { kNeox, kInterleaved, kInterleavedToHalves };
 

@@ -1,0 +1,83 @@
+"""gqa_qkv at a Llama-3-8B-shaped layer (hidden 4096, 32 q heads, 8 kv heads, d_head 128): transformers'
+own modules (LlamaRMSNorm, the q/k/v Linears, LlamaRotaryEmbedding, apply_rotary_pos_emb) from the
+residual add of the previous block to the rotated heads, in a stack of layers whose weights exceed
+128 MiB, so that decode streams them from memory.
+
+Prints `benchmarking.weight_stream_table` (medians of interleaved rounds against the roofline
+measured in the same rounds). Asserts nothing.
+
+    python benchmarks/gqa_qkv.py [--rows 1 8 512] [--layers 3]
+"""
+
+import argparse
+
+import torch
+import transformers
+from torch import nn
+from transformers.models.llama import modeling_llama
+
+from mla_inductor import benchmarking
+
+CONFIG = transformers.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                  intermediate_size=14336, max_position_embeddings=8192, rope_theta=500000.0)
+
+
+class AttentionInput(nn.Module):
+    """One LlamaDecoderLayer from `residual + mlp_out` to the rotated q, k and v heads."""
+
+    def __init__(self):
+        super().__init__()
+        c = CONFIG
+        self.input_layernorm = modeling_llama.LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+
+    def forward(self, residual, mlp_out, cos, sin):
+        hidden = residual + mlp_out
+        x = self.input_layernorm(hidden)
+        shape = (*x.shape[:-1], -1, CONFIG.head_dim)
+        q = self.q_proj(x).view(shape).transpose(1, 2)
+        k = self.k_proj(x).view(shape).transpose(1, 2)
+        v = self.v_proj(x).view(shape).transpose(1, 2)
+        q, k = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v, hidden
+
+
+class Stack(nn.Module):
+    def __init__(self, layers):
+        super().__init__()
+        self.rotary_emb = modeling_llama.LlamaRotaryEmbedding(CONFIG)
+        self.layers = nn.ModuleList(AttentionInput() for _ in range(layers))
+
+    def forward(self, residual, mlp_out, position_ids):
+        cos, sin = self.rotary_emb(residual, position_ids)
+        return [layer(residual, mlp_out, cos, sin) for layer in self.layers]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    p.add_argument("--layers", type=int, default=3, help="3 x 48 MiB of bf16 q/k/v weights = 144 MiB")
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args()
+    torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.fx_graph_cache = False
+
+    torch.manual_seed(0)
+    model = Stack(args.layers).to(torch.bfloat16).eval()
+    for layer in model.layers:
+        for linear in (layer.q_proj, layer.k_proj, layer.v_proj):
+            nn.init.normal_(linear.weight, std=CONFIG.hidden_size**-0.5)
+    weights = sum(p.numel() for layer in model.layers for p in layer.parameters() if p.dim() == 2)
+
+    def make_input(rows):
+        residual, mlp_out = (torch.randn(1, rows, CONFIG.hidden_size).to(torch.bfloat16) for _ in range(2))
+        return residual, mlp_out, torch.arange(100, 100 + rows)[None]
+
+    benchmarking.weight_stream_table(model, make_input, args.rows, 2 * weights, "gqa_qkv", args.rounds,
+                                     weight_bytes=2 * weights)
+
+
+if __name__ == "__main__":
+    main()

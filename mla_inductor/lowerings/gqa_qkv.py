@@ -1,0 +1,84 @@
+"""Lowering of mla::qkv_projection (the GEMM, bias, RoPE and layout of mla::qkv / mla::gqa_qkv) to the
+segmented GEMM template of the projection ops, with bias and RoPE as its epilogue."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+
+from .. import config as mla_config
+from . import FusedOpTemplate, guard_ints, realize_input
+from .segment_gemm import packed_weights
+
+OP = torch.ops.mla.qkv_projection.default
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class QkvProjectionTemplate(FusedOpTemplate):
+    template_file = "gqa_qkv.cpp.j2"
+
+    def __init__(self, inputs: dict, segments: list, layout: ir.Layout, segment_rows: list[int], d_head: int,
+                 rotated_heads: int, output_layout: str) -> None:
+        super().__init__("mla_qkv_projection", {**inputs, **{f"W{i}": w for i, w in enumerate(segments)}}, layout)
+        self.segments, self.segment_rows = segments, segment_rows
+        self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
+
+    def headers(self) -> tuple[str, ...]:
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        rope = ("rope.h",) if self.inputs["COS"] is not None else ()
+        return ("widen.h", "nt_dot.h") + packed + rope
+
+    def options(self, kernel) -> dict:
+        x = self.inputs["X"]
+        return dict(
+            M=kernel.size(x, 0),
+            K=kernel.size(x, 1),
+            N=sum(self.segment_rows),
+            ldx=kernel.stride(x, 0),
+            segments=self.segments,
+            segment_rows=self.segment_rows,
+            ld_segments=[kernel.stride(w, 0) for w in self.segments],
+            y_origin=[0] * len(self.layout.size),
+            d_head=self.d_head,
+            rotated_heads=self.rotated_heads,
+            output_layout=self.output_layout,
+        )
+
+
+def _template_can_serve(x, weights, cos) -> bool:
+    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+        return False
+    if x.get_dtype() not in SUPPORTED_DTYPES or any(w.get_dtype() != x.get_dtype() for w in weights):
+        return False
+    if cos is not None and cos.get_dtype() not in SUPPORTED_DTYPES:
+        return False
+    return all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout):
+    args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
+    dims = guard_ints(dict(hidden=x.get_size()[-1]))
+    if dims is None or not _template_can_serve(x, weights, cos_cache):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
+    batch, seq, hidden = x.get_size()
+    rows = batch * seq
+    x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
+    segment_rows = [int(w.get_size()[0]) for w in weights]
+    packed = packed_weights(x.get_dtype(), *weights)
+    segments = [] if packed is not None else [realize_input(w) for w in weights]
+    as_rows = lambda t: None if t is None else L.view(realize_input(t, contiguous=True), [rows, d_head])  # noqa: E731
+    inputs = {
+        "X": realize_input(x2d),
+        "WP": packed,
+        "BIAS": realize_input(bias, contiguous=True),
+        "COS": as_rows(cos_cache),
+        "SIN": as_rows(sin_cache),
+    }
+    out_features = sum(segment_rows)
+    size = [batch, seq, out_features] if output_layout == "BSD" else [out_features // d_head, batch, seq, d_head]
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
+    rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
+    return QkvProjectionTemplate(inputs, segments, layout, segment_rows, d_head, rotated_heads, output_layout).select()

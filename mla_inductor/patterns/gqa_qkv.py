@@ -1,0 +1,158 @@
+"""gqa_qkv: the attention input of MHA / GQA models into `mla::gqa_qkv`.
+
+transformers' LlamaDecoderLayer / Qwen2DecoderLayer, from the residual stream to the rotated heads:
+the residual add of the previous block (`hidden = residual + mlp_out`, from the second layer on), the
+input RMSNorm, the q / k / v projections (Qwen2 with bias) viewed as heads, and rotate_half RoPE of
+q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
+the halves of cos/sin equal), so the search functions are written after it: the pass runs its
+patterns for another round. The KV-cache writes stay as the model writes them (StaticCache's
+`index_copy_` / `index_put`), reading k and v from the op's output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.pattern_matcher import Match
+
+from ..lowerings.segment_gemm import template_wins
+from . import node_value, register_fusion, size_hint
+
+FUSION = "gqa_qkv"
+_EPS_WORKAROUND = {"eps": 3.25e-6}  # a distinct magic value: the literal becomes the argument
+
+
+def rms_norm(x, weight, eps):
+    """LlamaRMSNorm / Qwen2RMSNorm (the cast pair vanishes from fp32 graphs)."""
+    xf = x.to(torch.float32)
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _heads(h, weight, bias, d_head):
+    return F.linear(h, weight, bias).view(h.shape[0], h.shape[1], -1, d_head).transpose(1, 2)
+
+
+def _rotate(t, cos, sin):
+    """What the rope fusion made of `t * cos + rotate_half(t) * sin` (cos/sin [B, 1, S, d])."""
+    half = cos.shape[-1] // 2
+    return torch.ops.mla.apply_rope(t, cos[..., :half], sin[..., :half], "neox")
+
+
+def _attention_input(h, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin):
+    d_head = cos.shape[-1]
+    q = _rotate(_heads(h, q_weight, q_bias, d_head), cos, sin)
+    k = _rotate(_heads(h, k_weight, k_bias, d_head), cos, sin)
+    return q, k, _heads(h, v_weight, v_bias, d_head)
+
+
+# --- search functions: the model code ------------------------------------------------------------
+
+
+def llama(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    return _attention_input(rms_norm(x, norm_weight, eps), q_weight, k_weight, v_weight, None, None, None, cos, sin)
+
+
+def llama_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    x = residual + mlp_out
+    return *llama(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps), x
+
+
+def qwen2(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps):
+    h = rms_norm(x, norm_weight, eps)
+    return _attention_input(h, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin)
+
+
+def qwen2_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps):
+    x = residual + mlp_out
+    return *qwen2(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps), x
+
+
+# --- replacements ---------------------------------------------------------------------------------
+
+
+def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps):
+    batch, seq, d_head = x.shape[0], x.shape[1], cos.shape[-1]
+    num_q_heads, num_kv_heads = q_weight.shape[0] // d_head, k_weight.shape[0] // d_head
+    cos, sin = (t.expand(batch, 1, seq, d_head)[:, 0] for t in (cos, sin))
+    out, residual = torch.ops.mla.gqa_qkv(
+        x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, "NBSd", mlp_out is not None, mlp_out,
+        "rms_norm", norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads,
+    )
+    # [heads, B, S, d] -> q, k, v as [B, heads, S, d] views, as the model's transposes give them
+    q = out[:num_q_heads].transpose(0, 1)
+    k = out[num_q_heads : num_q_heads + num_kv_heads].transpose(0, 1)
+    v = out[num_q_heads + num_kv_heads :].transpose(0, 1)
+    return q, k, v, residual
+
+
+def llama_replacement(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    return _fused(x, None, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps)[:3]
+
+
+def llama_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps)
+
+
+def qwen2_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps):
+    return _fused(x, None, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps)[:3]
+
+
+def qwen2_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias,
+                               cos, sin, eps):
+    return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps)
+
+
+# --- preconditions --------------------------------------------------------------------------------
+
+
+def check(match: Match) -> Optional[str]:
+    kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
+    x = kw.get("x", kw.get("residual"))
+    cos, q_weight, k_weight = kw["cos"], kw["q_weight"], kw["k_weight"]
+    if x.dim() != 3 or cos.dim() != 4 or cos.shape[1] != 1:
+        return f"x {list(x.shape)} / cos {list(cos.shape)} are not [B, S, H] / [B, 1, S, d_head]"
+    d_head = cos.shape[-1]
+    if q_weight.shape[0] % d_head or k_weight.shape[0] % d_head:
+        return f"q/k rows {q_weight.shape[0]}/{k_weight.shape[0]} are not whole heads of {d_head}"
+    if (q_weight.shape[0] // d_head) % (k_weight.shape[0] // d_head):
+        return "query heads are not a multiple of the key/value heads"
+    rows = math.prod(size_hint(s) for s in x.shape[:-1])
+    if not template_wins(rows, x.dtype):
+        return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
+    return None
+
+
+# --- registration ---------------------------------------------------------------------------------
+
+_FORMS = (  # the residual forms first: where both match, they fuse more
+    (llama_residual, llama_residual_replacement),
+    (qwen2_residual, qwen2_residual_replacement),
+    (llama, llama_replacement),
+    (qwen2, qwen2_replacement),
+)
+
+
+def _example_inputs(search_fn, dtype: torch.dtype) -> list:
+    """All sizes distinct: batch 2, seq 3, hidden 40, 4 q heads and 2 kv heads of 8."""
+    batch, seq, hidden, d_head, q_rows, kv_rows = 2, 3, 40, 8, 32, 16
+    sizes = {
+        "x": (batch, seq, hidden), "residual": (batch, seq, hidden), "mlp_out": (batch, seq, hidden),
+        "norm_weight": (hidden,), "q_weight": (q_rows, hidden), "k_weight": (kv_rows, hidden),
+        "v_weight": (kv_rows, hidden), "q_bias": (q_rows,), "k_bias": (kv_rows,), "v_bias": (kv_rows,),
+        "cos": (batch, 1, seq, d_head), "sin": (batch, 1, seq, d_head),
+    }
+    names = search_fn.__code__.co_varnames[: search_fn.__code__.co_argcount]
+    return [_EPS_WORKAROUND["eps"] if name == "eps" else torch.empty(sizes[name], dtype=dtype) for name in names]
+
+
+def register() -> None:
+    for (search_fn, replace_fn), dtype in itertools.product(_FORMS, (torch.bfloat16, torch.float32)):
+        register_fusion(
+            FUSION, search_fn, replace_fn, _example_inputs(search_fn, dtype), check,
+            scalar_workaround=_EPS_WORKAROUND,
+            exclusive_arg_names=("q_weight", "k_weight", "v_weight"),
+        )

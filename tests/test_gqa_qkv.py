@@ -1,0 +1,276 @@
+"""gqa_qkv: mla::qkv (Neuron's contract) and mla::gqa_qkv, their template (mla::qkv_projection), and
+the pattern on transformers Llama / Qwen2."""
+
+import functools
+import itertools
+
+import pytest
+import torch
+import transformers
+from torch._inductor.utils import run_and_get_code
+
+import mla_inductor
+from graph_utils import rewritten
+from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
+
+B, S, H, NQ, NKV, D = 2, 3, 96, 4, 2, 16
+I = (NQ + 2 * NKV) * D
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+def make_inputs(dtype, seed=0, batch=B, seq=S):
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    angles = torch.rand(batch, seq, D // 2, generator=g) * 6.3
+    return dict(
+        input=randn(batch, seq, H), fused_qkv_weights=randn(H, I, scale=H**-0.5), bias=randn(I),
+        mlp_prev=randn(batch, seq, H), attention_prev=randn(batch, seq, H), gamma=randn(H) + 1, beta=randn(H),
+        cos=torch.cat([angles.cos()] * 2, -1).to(dtype), sin=torch.cat([angles.sin()] * 2, -1).to(dtype),
+    )
+
+
+def call_qkv(a, layout="BSD", bias=False, residual=(), norm="none", rope=False, cache=None, fn=None):
+    fn = fn or torch.ops.mla.qkv
+    k_cache, v_cache, k_scale, v_scale, block, slots = cache or (None,) * 6
+    return fn(
+        a["input"], a["fused_qkv_weights"], layout, a["bias"] if bias else None, bool(residual),
+        a["mlp_prev"] if "mlp" in residual else None, a["attention_prev"] if "attention" in residual else None,
+        norm, a["gamma"] if norm in ("rms_norm", "layer_norm") else None, a["beta"] if norm == "layer_norm" else None,
+        1e-5, rope, a["cos"] if rope else None, a["sin"] if rope else None, D, NQ, NKV,
+        k_cache, v_cache, k_scale, v_scale, block is not None, block, slots,
+    )
+
+
+def fp64_of(a, bias, residual, norm, rope):
+    return reference_fp64(
+        a["input"], a["fused_qkv_weights"], a["bias"] if bias else None,
+        tuple(a[f"{r}_prev"] for r in residual),
+        (norm, a["gamma"], a["beta"] if norm == "layer_norm" else None, 1e-5),
+        (a["cos"], a["sin"], D, NQ + NKV) if rope else None,
+    )
+
+
+def to_bsd(out, layout):
+    return out if layout == "BSD" else out.permute(1, 2, 0, 3).reshape(out.shape[1], out.shape[2], -1)
+
+
+OPTIONS = list(itertools.product(
+    ["BSD", "NBSd"], [False, True], [(), ("mlp",), ("mlp", "attention")],
+    ["none", "rms_norm", "rms_norm_skip_gamma", "layer_norm"], [False, True],
+))
+
+
+@pytest.mark.parametrize("layout, bias, residual, norm, rope", OPTIONS)
+def test_op_matches_fp64_for_every_option(layout, bias, residual, norm, rope):
+    a = make_inputs(torch.float32)
+    out, res = call_qkv(a, layout, bias, residual, norm, rope)
+    torch.testing.assert_close(to_bsd(out, layout).double(), fp64_of(a, bias, residual, norm, rope), atol=1e-4, rtol=1e-4)
+    if residual:
+        torch.testing.assert_close(res, a["input"] + sum(a[f"{r}_prev"] for r in residual))
+    else:
+        assert res.numel() == 0
+
+
+def _cache(dtype, block, fp8):
+    shape = (6, 8, NKV * D) if block else (B, 16, NKV * D)
+    cache_dtype = FP8 if fp8 else dtype
+    k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
+    scales = (torch.tensor(0.5), torch.tensor(0.25)) if fp8 else (None, None)
+    slots = torch.tensor([9, 17, 40, 3, 4, 47]) if block else torch.tensor([5, 6, 7, 20, 21, 22])
+    return (k_cache, v_cache, *scales, 8 if block else None, slots)
+
+
+@pytest.mark.parametrize("block, fp8", [(False, False), (True, False), (False, True), (True, True)])
+def test_op_writes_the_kv_cache_at_the_slots(block, fp8):
+    a = make_inputs(torch.bfloat16)
+    cache = _cache(torch.bfloat16, block, fp8)
+    out, _ = call_qkv(a, rope=True, cache=cache)
+    heads = out.view(B * S, NQ + 2 * NKV, D)
+    k_cache, v_cache, k_scale, v_scale, _, slots = cache
+    for cached, new, scale in ((k_cache, heads[:, NQ : NQ + NKV], k_scale), (v_cache, heads[:, NQ + NKV :], v_scale)):
+        rows = cached.view(-1, NKV * D)[slots].float()
+        expected = new.reshape(B * S, -1).float()
+        if fp8:  # dequantized, within e4m3's resolution (3 mantissa bits: 1/16 relative)
+            torch.testing.assert_close(rows * scale, expected, atol=scale.item() / 8, rtol=1 / 16)
+        else:
+            torch.testing.assert_close(rows, expected)
+        others = torch.ones(cached.view(-1, NKV * D).shape[0], dtype=torch.bool)
+        others[slots] = False
+        assert not cached.view(-1, NKV * D)[others].float().any()  # nothing else written
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(fused_qkv_weights=torch.zeros(95, I)), "contract dimension mismatch: input's hidden size 96 != the weights' 95"),
+        (dict(fused_rope=True, cos_cache=None), "fused_rope needs cos_cache and sin_cache"),
+        (dict(fused_norm_type="rms_norm", gamma_norm_weights=None), "fused_norm_type='rms_norm' needs gamma_norm_weights"),
+        (dict(fused_norm_type="batch_norm"), "fused_norm_type must be one of"),
+        (dict(fused_residual_add=True), "fused_residual_add needs mlp_prev and/or attention_prev"),
+        (dict(output_layout="NBSd", d_head=None), "d_head, num_q_heads and num_kv_heads are required"),
+        (dict(num_kv_heads=3), r"\(num_q_heads \+ 2 \* num_kv_heads\) \* d_head = \(4 \+ 2 \* 3\) \* 16 != .* 128"),
+        (dict(layer_norm_bias=torch.zeros(H)), "layer_norm_bias is only for fused_norm_type='layer_norm'"),
+        (dict(k_cache=torch.zeros(2, 16, NKV * D)), "k_cache and v_cache come together"),
+        (dict(k_cache=torch.zeros(2, 16, 30), v_cache=torch.zeros(2, 16, 30), slot_mapping=torch.arange(6)),
+         r"k_cache must be a contiguous .* kv_dim = num_kv_heads \* d_head = 32"),
+        (dict(k_cache=torch.zeros(2, 16, NKV * D, dtype=FP8), v_cache=torch.zeros(2, 16, NKV * D, dtype=FP8),
+              slot_mapping=torch.arange(6)), "an FP8 cache needs k_scale and v_scale"),
+        (dict(k_cache=torch.zeros(2, 16, NKV * D), v_cache=torch.zeros(2, 16, NKV * D)),
+         "writing the KV cache needs slot_mapping"),
+        (dict(k_cache=torch.zeros(2, 16, NKV * D), v_cache=torch.zeros(2, 16, NKV * D), use_block_kv=True,
+              slot_mapping=torch.arange(6)), "use_block_kv needs block_size"),
+        (dict(k_cache=torch.zeros(2, 16, NKV * D), v_cache=torch.zeros(2, 16, NKV * D),
+              slot_mapping=torch.tensor([0, 1, 2, 3, 4, 32])), r"slot_mapping must be in \[0, 32\)"),
+        (dict(input=torch.zeros(B, S, H, dtype=torch.bfloat16)), "fused_qkv_weights has dtype torch.float32"),
+    ],
+)
+def test_op_rejects_bad_input_naming_the_argument(change, message):
+    a = make_inputs(torch.float32)
+    args = dict(input=a["input"], fused_qkv_weights=a["fused_qkv_weights"], output_layout="BSD", d_head=D,
+                num_q_heads=NQ, num_kv_heads=NKV, fused_rope=True, cos_cache=a["cos"], sin_cache=a["sin"])
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.mla.qkv(**args)
+
+
+# --- the template ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def compiled_qkv(layout, bias, residual, norm, rope):
+    return torch.compile(functools.partial(call_qkv, layout=layout, bias=bias, residual=residual, norm=norm, rope=rope),
+                         dynamic=False)
+
+
+@pytest.mark.parametrize("layout, bias, residual, norm, rope", [
+    ("BSD", False, (), "none", False),  # the plain GEMM (no head structure)
+    ("BSD", True, ("mlp",), "rms_norm", True),  # what Qwen2's layers need
+    ("NBSd", False, ("mlp", "attention"), "layer_norm", True),
+])
+def test_template_matches_fp64_and_is_no_less_accurate_than_eager(layout, bias, residual, norm, rope):
+    for dtype, seq in ((torch.bfloat16, 3), (torch.float32, 1)):
+        a = make_inputs(dtype, seed=seq, seq=seq)
+        torch._dynamo.reset()
+        (out, res), (code,) = run_and_get_code(compiled_qkv(layout, bias, residual, norm, rope), a)
+        assert "mla_qkv_projection" in code or "seg_task" in code, "the template did not run"
+        expected = fp64_of(a, bias, residual, norm, rope)
+        ours = (to_bsd(out, layout).double() - expected).abs().max().item()
+        eager = (to_bsd(call_qkv(a, layout, bias, residual, norm, rope)[0], layout).double() - expected).abs().max().item()
+        assert ours <= 2 * eager + TOLERANCE[dtype] / 10, (ours, eager)
+        torch.testing.assert_close(to_bsd(out, layout).double(), expected, atol=TOLERANCE[dtype] * 4,
+                                   rtol=TOLERANCE[dtype])
+
+
+class ThreeLinears(torch.nn.Module):
+    def __init__(self, dtype, bias):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(H, n * D, bias=bias).to(dtype) for n in (NQ, NKV, NKV))
+        self.gamma = torch.nn.Parameter(torch.rand(H).to(dtype) + 0.5)
+
+    def forward(self, x, cos, sin):
+        return torch.ops.mla.gqa_qkv(x, self.q.weight, self.k.weight, self.v.weight, self.q.bias, self.k.bias,
+                                     self.v.bias, "NBSd", False, None, "rms_norm", self.gamma, 1e-6, True, cos, sin,
+                                     D, NQ, NKV)[0]
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_template_three_weights_packed_under_freezing(freezing):
+    """Frozen bf16 weights are packed at compile time, one segment's VNNI blocks after another."""
+    module = ThreeLinears(torch.bfloat16, bias=True).eval()
+    for rows in (1, 5):
+        a = make_inputs(torch.bfloat16, seed=rows, batch=1, seq=rows)
+        torch._dynamo.reset()
+        with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+            out, (code,) = run_and_get_code(torch.compile(module), a["input"], a["cos"], a["sin"])
+            expected = module(a["input"], a["cos"], a["sin"])
+        assert ("packed_task" in code) == freezing
+        torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
+
+
+def test_template_writes_an_fp8_block_cache_as_eager_does():
+    a = make_inputs(torch.bfloat16)
+    eager_cache, compiled_cache = _cache(torch.bfloat16, True, True), _cache(torch.bfloat16, True, True)
+    expected, _ = call_qkv(a, rope=True, cache=eager_cache)
+    torch._dynamo.reset()
+    out, _ = torch.compile(functools.partial(call_qkv, rope=True))(a, cache=compiled_cache)
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
+    for ours, theirs in zip(compiled_cache[:2], eager_cache[:2]):  # within one e4m3 step
+        torch.testing.assert_close(ours.float(), theirs.float(), atol=0.5, rtol=1 / 8)
+
+
+# --- the pattern on transformers Llama and Qwen2 ----------------------------------------------------
+
+
+def tiny(arch, dtype, layers=2):
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return model_cls(config).to(dtype).eval()
+
+
+def greedy(model, cache, prompt, steps, step_fn=None):
+    step_fn = step_fn or (lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits)
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens, logits = [token], []
+        for i in range(steps):
+            out = step_fn(token, torch.full_like(token, prompt.shape[1] + i))
+            token = out[:, -1:].argmax(-1)
+            tokens.append(token)
+            logits.append(out)
+    return torch.cat(tokens, 1), torch.stack(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch):
+    model = tiny(arch, torch.float32)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
+    torch._dynamo.reset()
+    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 16)
+    cache = make_cache()
+    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                             backend="mla_inductor")
+    tokens, logits = greedy(model, cache, prompt, 16, compiled)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prefill_fires_per_layer_and_matches_eager(arch):
+    """Layer 0 from the embedding, layer 1 with the residual add of layer 0's MLP folded in."""
+    model = tiny(arch, torch.bfloat16)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        graph = rewritten(fn, ids, stage="post_grad")
+        assert graph.count("mla.qkv_projection") == 2 and "mla.apply_rope" not in graph, graph
+        expected = fn(ids)
+        torch._dynamo.reset()
+        actual = torch.compile(fn, backend="mla_inductor")(ids)
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+def test_not_beyond_the_rows_where_the_template_wins():
+    model = tiny("llama", torch.bfloat16, layers=1)
+    ids = torch.randint(0, 256, (1, 65), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        graph = rewritten(lambda ids: model(input_ids=ids, use_cache=False).logits, ids, stage="post_grad")
+    assert "qkv_projection" not in graph and "mla.apply_rope" in graph
+
+
+def test_not_when_switched_off():
+    model = tiny("llama", torch.bfloat16, layers=1)
+    ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        graph = rewritten(lambda ids: model(input_ids=ids, use_cache=False).logits, ids, stage="post_grad",
+                          fusions={"gqa_qkv": False})
+    assert "qkv_projection" not in graph
