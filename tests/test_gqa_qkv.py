@@ -190,6 +190,29 @@ def test_template_three_weights_packed_under_freezing(freezing):
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
 
 
+class FusedWeight(torch.nn.Module):
+    """Neuron's layout: one [H, I] weight; the template reads it as [I, H] rows (packed under freezing)."""
+
+    def __init__(self, a):
+        super().__init__()
+        self.weight = torch.nn.Parameter(a["fused_qkv_weights"], requires_grad=False)
+
+    def forward(self, x, cos, sin):
+        return torch.ops.mla.qkv(x, self.weight, "BSD", fused_rope=True, cos_cache=cos, sin_cache=sin, d_head=D,
+                                 num_q_heads=NQ, num_kv_heads=NKV)[0]
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_template_fused_weight(freezing):
+    a = make_inputs(torch.bfloat16, batch=1, seq=2)
+    module = FusedWeight(a).eval()
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
+        out, (code,) = run_and_get_code(torch.compile(module), a["input"], a["cos"], a["sin"])
+    assert ("packed_task" in code) == freezing
+    torch.testing.assert_close(out.double(), fp64_of(a, False, (), "none", True), atol=5e-2, rtol=2e-2)
+
+
 def test_template_writes_an_fp8_block_cache_as_eager_does():
     a = make_inputs(torch.bfloat16)
     eager_cache, compiled_cache = _cache(torch.bfloat16, True, True), _cache(torch.bfloat16, True, True)
@@ -228,8 +251,8 @@ def greedy(model, cache, prompt, steps, step_fn=None):
     return torch.cat(tokens, 1), torch.stack(logits)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch):
+@pytest.mark.parametrize("arch, freezing", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch, freezing):
     model = tiny(arch, torch.float32)
     prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
@@ -238,7 +261,8 @@ def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch)
     cache = make_cache()
     compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
                              backend="mla_inductor")
-    tokens, logits = greedy(model, cache, prompt, 16, compiled)
+    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
+        tokens, logits = greedy(model, cache, prompt, 16, compiled)
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
@@ -255,7 +279,9 @@ def test_prefill_fires_per_layer_and_matches_eager(arch):
         assert graph.count("mla.qkv_projection") == 2 and "mla.apply_rope" not in graph, graph
         expected = fn(ids)
         torch._dynamo.reset()
+        mla_inductor.reset_counts()
         actual = torch.compile(fn, backend="mla_inductor")(ids)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 

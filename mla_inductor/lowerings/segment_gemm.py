@@ -48,6 +48,7 @@ def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
     block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
     blocks = []
     for w in weights:
+        w = w.contiguous()  # a transposed view too (mla::qkv's [H, I] weight is packed as its [I, H] rows)
         n, k = w.shape
         padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
         pairs = (k + 1) // 2
