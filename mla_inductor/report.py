@@ -10,6 +10,7 @@ variant, and times all variants in one process, interleaved:
 - mla_inductor: `backend="mla_inductor"` with the same freezing options, so that the ratio to
   stock-frozen isolates this project's passes.
 
+Models: the serving-style DeepSeek (models/mla.py), transformers DeepseekV3, transformers Llama.
 Decode cases report the fraction of the memory roofline (weights + the KV cache read, over the copy
 bandwidth measured in this run); prefill cases the fraction of oneDNN's GEMM throughput measured in
 this run. Results go to stdout and to reports/<name>.{json,md,png}.
@@ -41,8 +42,27 @@ BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True)
+class LlamaShape:
+    """A Llama-3-8B-shaped transformers LlamaForCausalLM (GQA: 32 query heads, 8 key/value heads of 128)
+    for the gqa_qkv fusion; each layer holds 436 MiB of bf16 weights, MLP included."""
+
+    name: str = "llama-3-8b"
+    hidden_size: int = 4096
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    intermediate_size: int = 14336
+    num_layers: int = 2
+    vocab_size: int = 8192
+
+
+TINY_LLAMA = LlamaShape(name="tiny-llama", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+                        intermediate_size=512, vocab_size=512)
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
-    model: str  # "serving" or "hf"
+    model: str  # "serving", "hf" (transformers DeepseekV3) or "llama" (transformers Llama)
     phase: str  # "decode" or "prefill"
     batch: int
     context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
@@ -105,8 +125,6 @@ def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: in
 
 
 def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
-    from transformers import StaticCache
-
     from .models.hf import build_hf_model
 
     model = build_hf_model(config, arch="v3", dtype=dtype, seed=seed)
@@ -123,8 +141,19 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
 
         return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
 
+    decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
+    flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
+    return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
+
+
+def _fill_static_cache(model, case: Case, gen) -> tuple[Callable, Callable[[], None], int, torch.Tensor]:
+    """A StaticCache of case.context rows holding noise: the decode step over it, its reset, its bytes
+    and the step's input ids."""
+    from transformers import StaticCache
+
+    b, ctx = case.batch, case.context
     cache = StaticCache(config=model.config, max_cache_len=ctx)
-    ids = torch.randint(0, config.vocab_size, (b, 1), generator=gen)
+    ids = torch.randint(0, model.config.vocab_size, (b, 1), generator=gen)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache, use_cache=True)  # allocates the layers' buffers
     for layer in cache.layers:
@@ -140,7 +169,35 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
 
     kv_bytes = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
                    for layer in cache.layers)
-    flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
+    return decode, reset, kv_bytes, ids
+
+
+def llama_workload(shape: LlamaShape, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=8192,
+        rope_theta=500000.0,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    gen = torch.Generator().manual_seed(seed)
+    b, ctx = case.batch, case.context
+    linear = _matmul_weight_elements(model)
+    wbytes = weight_bytes(model, exclude=("model.embed_tokens",))
+    q_dim = shape.num_heads * shape.head_dim
+    if case.phase == "prefill":
+        ids = torch.randint(0, shape.vocab_size, (b, ctx), generator=gen)
+        flops = 2.0 * b * ctx * linear + shape.num_layers * 2.0 * b * ctx * ctx * q_dim  # causal: half of 2 GEMMs
+
+        def prefill(input_ids):
+            return model(input_ids=input_ids, use_cache=False).logits
+
+        return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
+    decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
+    flops = 2.0 * b * linear + shape.num_layers * 4.0 * b * ctx * q_dim  # q.K and P.V over the context
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
 
 
@@ -180,7 +237,7 @@ def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
 ) -> dict:
-    build = serving_workload if case.model == "serving" else hf_workload
+    build = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload}[case.model]
     workload = build(config, case, dtype)
     fns, counts = {}, {}
     for variant in variants:
@@ -273,7 +330,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("serving", "hf", "all"), default="all")
+    p.add_argument("--model", choices=("serving", "hf", "llama", "all"), default="all")
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
@@ -292,7 +349,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
-    models = ("serving", "hf") if args.model == "all" else (args.model,)
+    models = ("serving", "hf", "llama") if args.model == "all" else (args.model,)
     phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)
     cases = []
     for model in models:
@@ -304,7 +361,10 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
-def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> MLAConfig:
+def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> MLAConfig | LlamaShape:
+    if model == "llama":  # two layers hold 872 MiB already
+        shape = TINY_LLAMA if args.quick else LlamaShape(vocab_size=args.vocab)
+        return dataclasses.replace(shape, num_layers=args.layers or 2)
     if args.quick:
         return get_config("tiny")
     config = get_config(args.serving_config if model == "serving" else args.hf_config, vocab_size=args.vocab)

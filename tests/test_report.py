@@ -18,6 +18,8 @@ def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
         "serving prefill B=1 32 tok",
         "hf decode B=1 ctx 64",
         "hf prefill B=1 32 tok",
+        "llama decode B=1 ctx 64",
+        "llama prefill B=1 32 tok",
     ]
     assert written["machine"]["copy_bandwidth_GBps"] > 1 and written["machine"]["gemm_GFLOPs"] > 1
     for r in written["results"]:
@@ -26,6 +28,7 @@ def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
         assert 0 < r["roofline_fraction"]["mla_inductor"] < 1.5
         assert r["speedup"]["vs_stock_best"] > 0
         assert r["label"] in markdown
+    assert written["results"][4]["fusion_counts"]["gqa_qkv"] == 2  # Llama decode: one per layer
     assert "| case |" in capsys.readouterr().out
 
 
