@@ -4,6 +4,7 @@ the pattern on transformers Llama / Qwen2."""
 import functools
 import itertools
 
+import expecttest
 import pytest
 import torch
 import transformers
@@ -283,6 +284,22 @@ def test_prefill_fires_per_layer_and_matches_eager(arch):
         actual = torch.compile(fn, backend="mla_inductor")(ids)
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_qwen2_layer(self):
+        """Norm, the three projections with their biases and both rotations: one op; the q, k and v the
+        model reads are transposed slices of its NBSd output."""
+        model = tiny("qwen2", torch.bfloat16, layers=1)
+        ids = torch.randint(0, 256, (1, 4), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            graph = rewritten(lambda ids: model(input_ids=ids, use_cache=False).logits, ids, stage="post_grad")
+        mla_lines = [line for line in graph.splitlines() if "mla." in line or "qkv_projection" in line]
+        self.assertExpectedInline("\n".join(mla_lines), """\
+qkv_projection_default = mla.qkv_projection(mul_tensor_1, [arg4_1, arg6_1, arg8_1], cat_default, select_int, select_int_1, 24, 4, 2, NBSd)
+slice_tensor_4 = slice.Tensor(qkv_projection_default, 0, 0, 4)
+slice_tensor_5 = slice.Tensor(qkv_projection_default, 0, 4, 6)
+slice_tensor_6 = slice.Tensor(qkv_projection_default, 0, 6, 9223372036854775807)""")
 
 
 def test_not_beyond_the_rows_where_the_template_wins():
