@@ -317,3 +317,15 @@ def test_not_when_switched_off():
         graph = rewritten(lambda ids: model(input_ids=ids, use_cache=False).logits, ids, stage="post_grad",
                           fusions={"gqa_qkv": False})
     assert "qkv_projection" not in graph
+
+
+def test_compiled_cache_write_rejects_a_slot_outside_the_cache():
+    """Compiled, the write is Inductor's scatter with its bounds check: an error, never a write out of bounds."""
+    a = make_inputs(torch.float32)
+    cache = _cache(torch.float32, False, False)
+    bad = (*cache[:5], torch.tensor([5, 6, 7, 20, 21, 32]))  # the cache has 2 x 16 rows
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(call_qkv, rope=True))
+    compiled(a, cache=cache)
+    with pytest.raises(RuntimeError, match="index out of bounds"):
+        compiled(a, cache=bad)

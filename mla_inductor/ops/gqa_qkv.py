@@ -272,10 +272,6 @@ def _output_shape(input, out_features, output_layout, d_head):
     return [B, S, out_features] if output_layout == "BSD" else [out_features // d_head, B, S, d_head]
 
 
-def _residual_like(input, fused_residual_add):
-    return input.new_empty(input.shape if fused_residual_add else (0,))
-
-
 # --- mla::qkv: Neuron's contract ------------------------------------------------------------------
 
 _QKV_FAIL = _Fail("qkv")
