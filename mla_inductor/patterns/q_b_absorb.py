@@ -82,7 +82,8 @@ def check(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     q_a, w_kc = kw["q_a"], kw["w_kc"]
     if q_a.dim() == 3:  # transformers' [B, 1, q_lora_rank]: rows by batch, cos/sin broadcast over it
-        if q_a.shape[1] != 1 or kw["cos"].dim() != 4 or kw["cos"].shape[0] not in (1, q_a.shape[0]):
+        cos = kw["cos"]
+        if q_a.shape[1] != 1 or cos.dim() != 4 or cos.shape[0] not in (1, q_a.shape[0]) or cos.shape[1:3] != (1, 1):
             return f"q_a {list(q_a.shape)} with cos {list(kw['cos'].shape)} is not one decode token per request"
         batch, half = q_a.shape[0], kw["cos"].shape[-1]
         q_a = q_a.reshape(batch, -1)
