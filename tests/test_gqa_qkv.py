@@ -269,6 +269,24 @@ def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch,
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
 
+def test_static_cache_decode_fires_after_a_recompile_with_dynamic_shapes():
+    """A second batch size recompiles with a dynamic batch (automatic dynamic): it fuses there too."""
+    model = tiny("llama", torch.float32)
+    state = {}
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda ids, pos: model(input_ids=ids, past_key_values=state["cache"], position_ids=pos).logits,
+        backend="mla_inductor",
+    )
+    for batch in (2, 3):
+        prompt = torch.randint(0, 256, (batch, 6), generator=torch.Generator().manual_seed(batch))
+        _, expected = greedy(model, transformers.StaticCache(config=model.config, max_cache_len=32), prompt, 3)
+        state["cache"] = transformers.StaticCache(config=model.config, max_cache_len=32)
+        _, logits = greedy(model, state["cache"], prompt, 3, compiled)
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 4  # two layers, in the static and the dynamic graph
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_prefill_fires_per_layer_and_matches_eager(arch):
     """Layer 0 from the embedding, layer 1 with the residual add of layer 0's MLP folded in."""
