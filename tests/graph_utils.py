@@ -68,3 +68,18 @@ def serving_model_decode(num_layers, seq_lens, dynamic=False, freezing=False):
         expected = model.forward_decode(ids, [c.clone() for c in caches], block_tables, lens)
         compiled = torch.compile(model.forward_decode, backend="mla_inductor", dynamic=dynamic)
         return expected, compiled(ids, caches, block_tables, lens)
+
+
+def greedy(model, cache, prompt, steps, step_fn=None):
+    """Greedy decoding of a transformers model after an eager prefill into `cache`; `step_fn(ids, pos)`
+    (default: the model, eagerly) runs each step. Returns the tokens and each step's logits."""
+    step_fn = step_fn or (lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits)
+    with torch.no_grad():
+        token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tokens, logits = [token], []
+        for i in range(steps):
+            out = step_fn(token, torch.full_like(token, prompt.shape[1] + i))
+            token = out[:, -1:].argmax(-1)
+            tokens.append(token)
+            logits.append(out)
+    return torch.cat(tokens, 1), torch.stack(logits)

@@ -11,7 +11,7 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import rewritten
+from graph_utils import greedy, rewritten
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
 
 B, S, H, NQ, NKV, D = 2, 3, 96, 4, 2, 16
@@ -237,19 +237,6 @@ def tiny(arch, dtype, layers=2):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)
     torch.manual_seed(0)
     return model_cls(config).to(dtype).eval()
-
-
-def greedy(model, cache, prompt, steps, step_fn=None):
-    step_fn = step_fn or (lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits)
-    with torch.no_grad():
-        token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
-        tokens, logits = [token], []
-        for i in range(steps):
-            out = step_fn(token, torch.full_like(token, prompt.shape[1] + i))
-            token = out[:, -1:].argmax(-1)
-            tokens.append(token)
-            logits.append(out)
-    return torch.cat(tokens, 1), torch.stack(logits)
 
 
 @pytest.mark.parametrize("arch, freezing", [("llama", False), ("qwen2", False), ("llama", True)])

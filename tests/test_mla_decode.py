@@ -18,7 +18,7 @@ from mla_inductor.models import get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
 
-from graph_utils import rewritten, serving_model_decode
+from graph_utils import greedy, rewritten, serving_model_decode
 
 op = torch.ops.mla.latent_decode_attention
 LORA, ROPE = 512, 64
@@ -319,21 +319,6 @@ def test_serving_model_decode_fires_per_layer_and_matches_eager():
     expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True)
     assert mla_inductor.fusion_counts()["mla_decode"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
-
-
-def greedy(model, cache, prompt, steps, step_fn=None):
-    """Greedy decoding after an eager prefill; returns the tokens and each step's logits."""
-    step_fn = step_fn or (lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits)
-    with torch.no_grad():
-        token = model(input_ids=prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
-        tokens, logits = [token], []
-        for i in range(steps):
-            position = torch.full_like(token, prompt.shape[1] + i)
-            out = step_fn(token, position)
-            token = out[:, -1:].argmax(-1)
-            tokens.append(token)
-            logits.append(out)
-    return torch.cat(tokens, 1), torch.stack(logits)
 
 
 def hf_case(arch, dtype, batch, prompt_len=12, hf_overrides=None, **overrides):

@@ -23,15 +23,10 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
-from . import node_value, register_fusion, size_hint, upcast
+from . import node_value, register_fusion, size_hint
+from .rope import gptj_upcast
 
 FUSION = "q_b_absorb"
-
-
-def rope_interleaved(x, cos, sin):
-    """DeepSeek's rope: pairs (x[2i], x[2i+1]) rotated by frequency i, in fp32."""
-    x1, x2 = upcast(x[..., 0::2]), upcast(x[..., 1::2])
-    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
 # --- search function: the model code -------------------------------------------------------------
@@ -43,7 +38,7 @@ def absorbed_query(q_a, q_b_weight, w_kc, cos, sin):
     rope = 2 * cos.shape[-1]
     q = F.linear(q_a, q_b_weight)
     q_nope, q_pe = q.view(-1, heads, nope + rope).split([nope, rope], dim=-1)
-    q_pe = rope_interleaved(q_pe, cos[:, None, :], sin[:, None, :])
+    q_pe = gptj_upcast(q_pe, cos[:, None, :], sin[:, None, :])  # DeepSeek's interleaved rope, in fp32
     q_input = q_a.new_empty(q_a.shape[0], heads, kv_lora_rank + rope)
     q_input[..., :kv_lora_rank] = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)
     q_input[..., kv_lora_rank:] = q_pe
