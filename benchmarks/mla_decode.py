@@ -4,7 +4,7 @@
    22 heads (deepseek-v3-tp22), context 4096, bf16, in a stack of layers whose caches exceed the L3:
    stock torch.compile against mla_inductor on the same graph, and the fraction of the roofline, the
    larger of (cache bytes / copy bandwidth) and (QK + PV FLOPs / oneDNN bf16 GEMM throughput), both
-   measured in the same run.
+   timed as variants in the same interleaved rounds.
 2. transformers DeepseekV3 at a deepseek-v2-lite-like size (hidden 2048, 16 heads, q LoRA 1536),
    2 layers, StaticCache of 4096 rows with 1024 filled, bf16, B=1: one decode step, eager, stock
    compile (plain and frozen) and mla_inductor (plain and frozen).
@@ -26,7 +26,7 @@ from mla_inductor.models.hf import build_hf_model
 from mla_inductor.patterns.mla_decode import paged_absorbed_decode
 
 
-def bench_kernel(args, bandwidth, gemm):
+def bench_kernel(args):
     batch, heads, lora, rope, v_head_dim = 4, 22, 512, 64, 128
     dtype = torch.bfloat16
     block_tables, num_blocks = make_block_tables(batch, args.context, args.block_size, seed=0)
@@ -44,24 +44,27 @@ def bench_kernel(args, bandwidth, gemm):
         "mla": torch.compile(step, backend="mla_inductor", dynamic=False),
     }
     mla_inductor.reset_counts()
+    # The roofline's two denominators are timed as two more variants in the same interleaved rounds:
+    # this machine's copy bandwidth and GEMM throughput move by 20-50% from minute to minute.
+    copy, copy_bytes = benchmarking.copy_probe()
+    gemm, gemm_flops = benchmarking.gemm_probe()
     with torch.no_grad():
         outs = {name: fn(q, caches, block_tables, seq_lens, w_vc) for name, fn in variants.items()}
         fired = mla_inductor.fusion_counts()["mla_decode"]
         error = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["mla"], outs["stock"]))
-        t = benchmarking.interleaved_medians(
-            {name: (lambda fn=fn: fn(q, caches, block_tables, seq_lens, w_vc)) for name, fn in variants.items()},
-            rounds=args.rounds,
-            calls=3,
-        )
-    per_layer = {name: seconds / args.layers for name, seconds in t.items()}
+        fns = {name: (lambda fn=fn: fn(q, caches, block_tables, seq_lens, w_vc)) for name, fn in variants.items()}
+        t = benchmarking.interleaved_medians({**fns, "copy": copy, "gemm": gemm}, rounds=args.rounds, calls=3)
+    bandwidth, throughput = copy_bytes / t["copy"], gemm_flops / t["gemm"]
+    per_layer = {name: t[name] / args.layers for name in variants}
     cache_bytes = batch * args.context * (lora + rope) * caches[0].element_size()
     flops = 2 * batch * heads * args.context * (lora + rope + lora)
-    roofline = max(cache_bytes / bandwidth, flops / gemm)
+    roofline = max(cache_bytes / bandwidth, flops / throughput)
     print(f"\n## kernel: B={batch}, {heads} heads, context {args.context}, block size {args.block_size}, bf16, "
           f"{args.layers} layers x {cache_bytes / 2**20:.1f} MiB of cache; fired {fired}/{args.layers}; "
           f"max |mla - stock| {error:.3g}")
-    print(f"roofline per layer {roofline * 1e3:.2f} ms = max({cache_bytes / bandwidth * 1e3:.2f} ms cache read, "
-          f"{flops / gemm * 1e3:.2f} ms for {flops / 1e9:.2f} GFLOP)")
+    print(f"in the rounds: copy {bandwidth / 1e9:.1f} GB/s, oneDNN bf16 GEMM {throughput / 1e9:.0f} GFLOP/s; "
+          f"roofline per layer {roofline * 1e3:.2f} ms = max({cache_bytes / bandwidth * 1e3:.2f} ms cache read, "
+          f"{flops / throughput * 1e3:.2f} ms for {flops / 1e9:.2f} GFLOP)")
     print("| stock ms | mla ms | x stock | % of roofline | GFLOP/s |")
     print("|---|---|---|---|---|")
     print(f"| {per_layer['stock'] * 1e3:.2f} | {per_layer['mla'] * 1e3:.2f} | "
@@ -132,12 +135,9 @@ def main():
     args = p.parse_args()
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.fx_graph_cache = False
-    bandwidth = benchmarking.copy_bandwidth()
-    gemm = benchmarking.gemm_throughput()
-    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; oneDNN bf16 GEMM {gemm / 1e9:.0f} GFLOP/s; "
-          f"threads {torch.get_num_threads()}")
+    print(f"threads {torch.get_num_threads()}")
     if "kernel" in args.part:
-        bench_kernel(args, bandwidth, gemm)
+        bench_kernel(args)
     if "hf" in args.part:
         bench_hf(args)
 

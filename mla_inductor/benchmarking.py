@@ -67,12 +67,19 @@ def read_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
     return nbytes / seconds
 
 
-def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168) -> float:
-    """FLOP per second of oneDNN's GEMM (`torch.mm`) at a prefill-like shape (the prefill roofline)."""
+def gemm_probe(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168
+               ) -> tuple[Callable[[], object], int]:
+    """oneDNN's GEMM (`torch.mm`) at a prefill-like shape to time among the variants of a benchmark,
+    and the FLOPs it does: the compute roofline the variants actually had (see `copy_probe`)."""
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
-    seconds = interleaved_medians({"mm": lambda: torch.mm(a, b)}, rounds=5, calls=3)["mm"]
-    return 2 * m * n * k / seconds
+    return (lambda: torch.mm(a, b)), 2 * m * n * k
+
+
+def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168) -> float:
+    """FLOP per second of oneDNN's GEMM (`torch.mm`) at a prefill-like shape (the prefill roofline)."""
+    mm, flops = gemm_probe(dtype, m, n, k)
+    return flops / interleaved_medians({"mm": mm}, rounds=5, calls=3)["mm"]
 
 
 @contextlib.contextmanager

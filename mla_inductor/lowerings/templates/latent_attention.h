@@ -69,22 +69,25 @@ struct KeyTile {
   const T* const* rope_ahead;
 };
 
-#if defined(__AVX512BF16__)
-// Column of o that lane i of a 32-column chunk holds: _mm512_unpack{lo,hi}_epi16 interleave two rows
-// within 128-bit lanes, so the "lo" accumulator (i < 16) gets columns 8q..8q+3 and "hi" 8q+4..8q+7.
-inline int paired_column(int i) {
-  const int lane = i & 15;
-  return 8 * (lane >> 2) + (i >= 16 ? 4 : 0) + (lane & 3);
-}
-
+#if defined(__AVX512F__)
 // The four horizontal sums of a0..a3 as one 128-bit vector (cheaper than four full reductions).
 __attribute__((always_inline)) inline __m128 reduce_add_4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
   const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
   const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+  const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// Column of o that lane i of a 32-column chunk holds: _mm512_unpack{lo,hi}_epi16 interleave two rows
+// within 128-bit lanes, so the "lo" accumulator (i < 16) gets columns 8q..8q+3 and "hi" 8q+4..8q+7.
+inline int paired_column(int i) {
+  const int lane = i & 15;
+  return 8 * (lane >> 2) + (i >= 16 ? 4 : 0) + (lane & 3);
 }
 
 // acc[h][n] += q[h, 0:D] . rows[n][0:D] for MH heads x NR rows.
@@ -134,10 +137,11 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10:
 }
 
 // o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs.
-// p rows hold bf16 probabilities with an even count (a zero pads an odd block).
-template <int MH>
+// p rows hold bf16 probabilities with an even count (a zero pads an odd block). `prefetch()` runs once
+// per row pair (see NextBlockPrefetcher).
+template <int MH, typename Prefetch>
 inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* const* rows, int n_pairs,
-                         int64_t c, const float* alpha, float* o, int64_t ldo) {
+                         int64_t c, const float* alpha, float* o, int64_t ldo, Prefetch& prefetch) {
   __m512 lo[MH], hi[MH];
   for (int h = 0; h < MH; ++h) {
     const __m512 a = _mm512_set1_ps(alpha[h]);
@@ -145,6 +149,7 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
     hi[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c + 16));
   }
   for (int pr = 0; pr < n_pairs; ++pr) {
+    prefetch();
     const __m512i r0 = _mm512_loadu_si512(rows[2 * pr] + c);
     const __m512i r1 = _mm512_loadu_si512(rows[2 * pr + 1] + c);
     const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
@@ -309,6 +314,39 @@ struct BlockRows {
   }
 };
 
+// Asks for the next block's rows (both caches), a few lines at each call, from inside the P.V pass:
+// the block is then in L2 when the next score pass reads it. Without it the memory idles through
+// P.V and the softmax, and the first head tile of every score tile waits on it (it measured 2.7x
+// slower per head than the other head tiles).
+template <typename T>
+struct NextBlockPrefetcher {
+  const T* const* key;
+  const T* const* rope;
+  int rows;
+  int64_t key_lines;   // 64-byte lines per key row
+  int64_t row_lines;   // ... per key row and rope row
+  int64_t per_call;
+  int row = 0;
+  int64_t line = 0;
+
+  NextBlockPrefetcher(const T* const* key, const T* const* rope, int rows, int64_t key_bytes, int64_t rope_bytes,
+                      int64_t calls)
+      : key(key), rope(rope), rows(rows), key_lines((key_bytes + 63) / 64),
+        row_lines(key_lines + (rope_bytes + 63) / 64), per_call((rows * row_lines + calls - 1) / calls) {}
+
+  __attribute__((always_inline)) void operator()() {
+    for (int64_t i = 0; i < per_call && row < rows; ++i) {
+      const char* at = line < key_lines ? reinterpret_cast<const char*>(key[row]) + 64 * line
+                                        : reinterpret_cast<const char*>(rope[row]) + 64 * (line - key_lines);
+      __builtin_prefetch(at, 0, 2);  // prefetcht1: into L2
+      if (++line == row_lines) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+};
+
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
 // into st (initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when D2 > 0,
 // by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row. `zero_row`
@@ -367,12 +405,15 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
     // o = alpha * o + p . V, heads in balanced tiles of at most kPvHeads.
     constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
     constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
+    [[maybe_unused]] NextBlockPrefetcher<T> prefetch(key.next, rope.next, n_next, D1 * sizeof(T), D2 * sizeof(T),
+                                    int64_t(kHeadTiles) * (L / 32) * ((n + 1) / 2));
     for (int h0 = 0; h0 < H; h0 += kTileHeads) {
       dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L,
+                             prefetch);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
@@ -428,39 +469,70 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
   for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] = merged[i];
 }
 
-// out[b * ld_out + n] = latents[b] . w[n] for the requests of one head (the W_vc de-absorption),
-// rounded once. A tile of 4 requests x 2 rows of w keeps 8 independent accumulators (no FMA latency
-// chain), and each w row is widened once per tile.
+// dst[0..N) = the horizontal sums of acc[0..N).
+template <int N>
+__attribute__((always_inline)) inline void horizontal_sums(const at::vec::Vectorized<float> (&acc)[N], float* dst) {
+  using Vec = at::vec::Vectorized<float>;
+#if defined(__AVX512F__)
+  if constexpr (N == 4 && Vec::size() == 16) {
+    _mm_storeu_ps(dst, reduce_add_4(acc[0], acc[1], acc[2], acc[3]));
+    return;
+  }
+#endif
+  for (int n = 0; n < N; ++n) dst[n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[n]);
+}
+
+// out[k * ld_out + r] = latents[k] . w[r] for NB requests x NR rows of w, rounded once. The tile's
+// sizes are compile-time constants so that its NB x NR accumulators stay in registers (GCC keeps them
+// on the stack if a branch in the loop or a rolled loop after it touches the array); each w row is
+// widened once per tile. The next tile's rows (`rows_ahead` of them) are prefetched: W_vc comes from
+// memory once per head.
+template <typename T, int64_t L, int NB, int NR>
+inline void deabsorb_tile(const float* latents, const T* w, int64_t ldw, int rows_ahead, T* out, int64_t ld_out) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const T* ahead[NR];  // past the last row: the last row again
+  for (int r = 0; r < NR; ++r) ahead[r] = w + std::min(NR + r, NR - 1 + rows_ahead) * ldw;
+  Vec acc[NB][NR];
+  for (auto& row : acc)
+    for (auto& a : row) a = Vec(0.f);
+  auto step = [&](int64_t i, int64_t count) __attribute__((always_inline)) {
+    Vec wv[NR];
+    for (int r = 0; r < NR; ++r) {
+      __builtin_prefetch(ahead[r] + i);
+      wv[r] = load_floats(w + r * ldw + i, count);
+    }
+    for (int k = 0; k < NB; ++k) {
+      const Vec x = Vec::loadu(latents + k * L + i, count);
+      for (int r = 0; r < NR; ++r) acc[k][r] = at::vec::fmadd(x, wv[r], acc[k][r]);
+    }
+  };
+  for (int64_t i = 0; i + W <= L; i += W) step(i, W);
+  if constexpr (L % W != 0) step(L - L % W, L % W);  // partial loads zero-fill
+#pragma GCC unroll 8
+  for (int k = 0; k < NB; ++k) {
+    float sums[NR];
+    horizontal_sums<NR>(acc[k], sums);
+    for (int r = 0; r < NR; ++r) out[k * ld_out + r] = static_cast<T>(sums[r]);
+  }
+}
+
+// out[b * ld_out + n] = latents[b] . w[n] for the requests of one head (the W_vc de-absorption), in
+// tiles of up to 4 requests x 4 rows of w.
 template <typename T, int64_t L>
 inline void deabsorb_head(const float* latents, int64_t batch, const T* w, int64_t ldw, int64_t n_out, T* out,
                           int64_t ld_out) {
-  using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  constexpr int kRequests = 4, kRows = 2;
-  auto sum = [](Vec& v) { return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v); };
+  constexpr int kRequests = 4, kRows = 4;
   for (int64_t b0 = 0; b0 < batch; b0 += kRequests) {
-    const int nb = static_cast<int>(std::min<int64_t>(kRequests, batch - b0));
-    for (int64_t n0 = 0; n0 < n_out; n0 += kRows) {
-      const int nr = static_cast<int>(std::min<int64_t>(kRows, n_out - n0));
-      Vec acc[kRequests][kRows];
-      for (auto& row : acc)
-        for (auto& a : row) a = Vec(0.f);
-      for (int64_t i = 0; i < L; i += W) {
-        const int64_t count = std::min<int64_t>(W, L - i);
-        Vec wv[kRows];
-        for (int r = 0; r < nr; ++r) {
-          // W_vc comes from memory once per head: ask for the next tile's rows while these are in use.
-          if (n0 + kRows + r < n_out) __builtin_prefetch(w + (n0 + kRows + r) * ldw + i);
-          wv[r] = load_floats(w + (n0 + r) * ldw + i, count);
-        }
-        for (int k = 0; k < nb; ++k) {
-          const Vec x = Vec::loadu(latents + (b0 + k) * L + i, count);
-          for (int r = 0; r < nr; ++r) acc[k][r] = at::vec::fmadd(x, wv[r], acc[k][r]);
-        }
+    dispatch_count<kRequests>(static_cast<int>(std::min<int64_t>(kRequests, batch - b0)), [&]<int NB>() {
+      for (int64_t n0 = 0; n0 < n_out; n0 += kRows) {
+        const int rows_ahead = static_cast<int>(std::clamp<int64_t>(n_out - n0 - kRows, 0, kRows));
+        dispatch_count<kRows>(static_cast<int>(std::min<int64_t>(kRows, n_out - n0)), [&]<int NR>() {
+          deabsorb_tile<T, L, NB, NR>(latents + b0 * L, w + n0 * ldw, ldw, rows_ahead, out + b0 * ld_out + n0,
+                                      ld_out);
+        });
       }
-      for (int k = 0; k < nb; ++k)
-        for (int r = 0; r < nr; ++r) out[(b0 + k) * ld_out + n0 + r] = static_cast<T>(sum(acc[k][r]));
-    }
+    });
   }
 }
 
