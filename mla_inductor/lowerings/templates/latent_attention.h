@@ -137,11 +137,10 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10:
 }
 
 // o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs.
-// p rows hold bf16 probabilities with an even count (a zero pads an odd block). `prefetch()` runs once
-// per row pair (see NextBlockPrefetcher).
-template <int MH, typename Prefetch>
+// p rows hold bf16 probabilities with an even count (a zero pads an odd block).
+template <int MH>
 inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* const* rows, int n_pairs,
-                         int64_t c, const float* alpha, float* o, int64_t ldo, Prefetch& prefetch) {
+                         int64_t c, const float* alpha, float* o, int64_t ldo) {
   __m512 lo[MH], hi[MH];
   for (int h = 0; h < MH; ++h) {
     const __m512 a = _mm512_set1_ps(alpha[h]);
@@ -149,7 +148,6 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
     hi[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c + 16));
   }
   for (int pr = 0; pr < n_pairs; ++pr) {
-    prefetch();
     const __m512i r0 = _mm512_loadu_si512(rows[2 * pr] + c);
     const __m512i r1 = _mm512_loadu_si512(rows[2 * pr + 1] + c);
     const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
@@ -314,39 +312,6 @@ struct BlockRows {
   }
 };
 
-// Asks for the next block's rows (both caches), a few lines at each call, from inside the P.V pass:
-// the block is then in L2 when the next score pass reads it. Without it the memory idles through
-// P.V and the softmax, and the first head tile of every score tile waits on it (it measured 2.7x
-// slower per head than the other head tiles).
-template <typename T>
-struct NextBlockPrefetcher {
-  const T* const* key;
-  const T* const* rope;
-  int rows;
-  int64_t key_lines;   // 64-byte lines per key row
-  int64_t row_lines;   // ... per key row and rope row
-  int64_t per_call;
-  int row = 0;
-  int64_t line = 0;
-
-  NextBlockPrefetcher(const T* const* key, const T* const* rope, int rows, int64_t key_bytes, int64_t rope_bytes,
-                      int64_t calls)
-      : key(key), rope(rope), rows(rows), key_lines((key_bytes + 63) / 64),
-        row_lines(key_lines + (rope_bytes + 63) / 64), per_call((rows * row_lines + calls - 1) / calls) {}
-
-  __attribute__((always_inline)) void operator()() {
-    for (int64_t i = 0; i < per_call && row < rows; ++i) {
-      const char* at = line < key_lines ? reinterpret_cast<const char*>(key[row]) + 64 * line
-                                        : reinterpret_cast<const char*>(rope[row]) + 64 * (line - key_lines);
-      __builtin_prefetch(at, 0, 2);  // prefetcht1: into L2
-      if (++line == row_lines) {
-        line = 0;
-        ++row;
-      }
-    }
-  }
-};
-
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
 // into st (initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when D2 > 0,
 // by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row. `zero_row`
@@ -405,15 +370,12 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
     // o = alpha * o + p . V, heads in balanced tiles of at most kPvHeads.
     constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
     constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
-    [[maybe_unused]] NextBlockPrefetcher<T> prefetch(key.next, rope.next, n_next, D1 * sizeof(T), D2 * sizeof(T),
-                                    int64_t(kHeadTiles) * (L / 32) * ((n + 1) / 2));
     for (int h0 = 0; h0 < H; h0 += kTileHeads) {
       dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L,
-                             prefetch);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
