@@ -233,13 +233,14 @@ def test_template_over_lengths_block_sizes_and_query_strides(lengths, block_size
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_template_odd_widths_take_the_portable_paths(dtype):
     """A latent width that is no multiple of 32 (P.V in fp32 FMAs) and a key width that is no multiple
-    of 32 either (masked tail of the score tile), with W_vc."""
+    of 32 either (masked tail of the score tile), with W_vc: 6 requests and 7 output columns make
+    partial de-absorption tiles (of 4 requests x 4 columns) in both directions."""
     lora, rope, heads = 40, 13, 3
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(12, 5, lora + rope, generator=g).to(dtype)
-    q = torch.randn(3, heads, lora + rope, generator=g).to(dtype)
-    tables = torch.randperm(12, generator=g)[:12].view(3, 4)
-    lens = torch.tensor([17, 1, 20])
+    cache = torch.randn(24, 5, lora + rope, generator=g).to(dtype)
+    q = torch.randn(6, heads, lora + rope, generator=g).to(dtype)
+    tables = torch.randperm(24, generator=g).view(6, 4)
+    lens = torch.tensor([17, 1, 20, 9, 0, 11])
     w_vc = torch.randn(heads, 7, lora, generator=g).to(dtype)
     expected = op(q, cache, tables, lens, lora, 0.1, w_vc=w_vc)
     fn = torch.compile(lambda q, c, t, n, w: op(q, c, t, n, lora, 0.1, w_vc=w), backend="mla_inductor")
