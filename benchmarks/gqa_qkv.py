@@ -9,7 +9,6 @@ measured in the same rounds). Asserts nothing.
     python benchmarks/gqa_qkv.py [--rows 1 8 512] [--layers 3]
 """
 
-import argparse
 
 import torch
 import transformers
@@ -56,13 +55,10 @@ class Stack(nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
-    p.add_argument("--layers", type=int, default=3, help="3 x 48 MiB of bf16 q/k/v weights = 144 MiB")
-    p.add_argument("--rounds", type=int, default=9)
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 3,
+                                           "3 x 48 MiB of bf16 q/k/v weights = 144 MiB")
     args = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
+    benchmarking.fresh_compiles()
 
     torch.manual_seed(0)
     model = Stack(args.layers).to(torch.bfloat16).eval()

@@ -133,8 +133,7 @@ def main():
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
+    benchmarking.fresh_compiles()
     print(f"threads {torch.get_num_threads()}")
     if "kernel" in args.part:
         bench_kernel(args)

@@ -8,7 +8,6 @@ its best and mla_inductor, against the roofline measured in the same rounds. Ass
     python benchmarks/q_b_absorb.py [--rows 1 8 512] [--layers 10]
 """
 
-import argparse
 
 import torch
 from torch import nn
@@ -47,13 +46,10 @@ class Stack(nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
-    p.add_argument("--layers", type=int, default=10, help="10 x (12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 151 MiB")
-    p.add_argument("--rounds", type=int, default=9)
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 10,
+                                           "10 x (12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 151 MiB")
     args = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
+    benchmarking.fresh_compiles()
 
     model = init_weights_(Stack(args.layers), seed=0).to(torch.bfloat16).eval()
     # q_b_proj and W_kc, the half of kv_b_proj the query reads (W_vc is for after the attention)

@@ -7,7 +7,6 @@ its best and mla_inductor, against the roofline measured in the same rounds. Ass
     python benchmarks/qkv_a.py [--rows 1 8 512] [--layers 6] [--template-max-rows N]
 """
 
-import argparse
 
 import torch
 from torch import nn
@@ -44,17 +43,14 @@ class Stack(nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
-    p.add_argument("--layers", type=int, default=6, help="6 x 30 MiB of bf16 weights = 182 MiB")
-    p.add_argument("--rounds", type=int, default=9)
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 6,
+                                           "6 x 30 MiB of bf16 weights = 182 MiB")
     p.add_argument("--template-max-rows", type=int, default=None, help="fire the fusion up to this many rows")
     args = p.parse_args()
     if args.template_max_rows is not None:  # to measure the template where the cost model declines it
         segment_gemm.MAX_ROWS_PACKED = segment_gemm.MAX_ROWS_FROZEN = args.template_max_rows
         segment_gemm.MAX_ROWS_UNFROZEN = args.template_max_rows
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
+    benchmarking.fresh_compiles()
 
     model = init_weights_(Stack(args.layers), seed=0).to(torch.bfloat16).eval()
     flop_per_row = 2 * sum(l.fused_qkv_a_proj_with_mqa.weight.numel() for l in model.layers)

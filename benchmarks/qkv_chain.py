@@ -10,7 +10,6 @@ measured in the same rounds). Asserts nothing.
     python benchmarks/qkv_chain.py [--rows 1 8 512] [--layers 4]
 """
 
-import argparse
 
 import torch
 from torch import nn
@@ -48,14 +47,10 @@ class Stack(nn.Module):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
-    p.add_argument("--layers", type=int, default=4,
-                   help="4 x (30.9 q_a/kv_a + 12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 184 MiB")
-    p.add_argument("--rounds", type=int, default=9)
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 4,
+                                           "4 x (30.9 q_a/kv_a + 12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 184 MiB")
     args = p.parse_args()
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
+    benchmarking.fresh_compiles()
 
     model = init_weights_(Stack(args.layers), seed=0).to(torch.bfloat16).eval()
     c = CONFIG

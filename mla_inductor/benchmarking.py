@@ -7,12 +7,31 @@ written (a fresh `torch.empty` reads the shared zero page and looks infinitely f
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 import time
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
+
+
+def fresh_compiles() -> None:
+    """Every variant x shape of a benchmark is its own compile of the same code object: keep Dynamo from
+    falling back to eager past its recompile limit, and keep Inductor's caches from serving an earlier
+    compile (the pattern pass would not run and the fusion counts would read 0)."""
+    torch._dynamo.config.recompile_limit = 64
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+
+
+def projection_arg_parser(description: str, layers: int, layers_help: str) -> argparse.ArgumentParser:
+    """The options of the weight-streaming benchmarks (`weight_stream_table`)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    p.add_argument("--layers", type=int, default=layers, help=layers_help)
+    p.add_argument("--rounds", type=int, default=9)
+    return p
 
 
 def _time_calls(fn: Callable[[], object], calls: int) -> list[float]:

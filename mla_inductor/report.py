@@ -395,11 +395,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         args.batch, args.context, args.prefill_tokens, args.rounds = [1], [64], 32, 3
     dtype = DTYPES[args.dtype]
     cases = build_cases(args)
-    # Every variant x shape is its own compile of the same code object; keep Dynamo from falling
-    # back to eager, and keep caches from skipping the pass (fusion counts would read 0).
-    torch._dynamo.config.recompile_limit = 64
-    torch._inductor.config.fx_graph_cache = False
-    torch._functorch.config.enable_autograd_cache = False
+    benchmarking.fresh_compiles()
 
     bandwidth = benchmarking.copy_bandwidth()
     read = benchmarking.read_bandwidth()

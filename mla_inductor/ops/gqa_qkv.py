@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUTPUT_LAYOUTS = ("BSD", "NBSd")
@@ -48,10 +49,7 @@ class _Fail:
 
 
 def _check_tensor(fail, name, t, dtype=None, shape=None) -> None:
-    if not isinstance(t, Tensor):
-        fail(f"{name} must be a Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        fail(f"{name} must be on the CPU, got {t.device}")
+    check_cpu_tensors(fail, {name: t})
     if dtype is not None and t.dtype != dtype:
         fail(f"{name} has dtype {t.dtype}, expected {dtype}")
     if shape is not None and list(t.shape) != list(shape):

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -54,9 +55,7 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
             _fail("rope_cache must be contiguous")
         if new_rows is not None:
             _fail("new_rows is not supported with a separate rope_cache")
-    for name, t in (("q", q), ("kv_cache", kv_cache), ("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if t.device.type != "cpu":
-            _fail(f"{name} must be on the CPU, got {t.device}")
+    check_cpu_tensors(_fail, dict(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens))
     if not kv_cache.is_contiguous():
         _fail("kv_cache must be contiguous (rows are addressed as block * block_size + offset)")
     if kv_cache.dtype != q.dtype:

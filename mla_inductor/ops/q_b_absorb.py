@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from .checks import check_cpu_tensors
 
 from .rope import ROPE_STYLES, SUPPORTED_DTYPES, rotate_pairs
 
@@ -29,11 +30,7 @@ def _fail(message: str) -> None:
 def check_args(q_a, q_b_weight, w_kc, cos, sin, rope_style="interleaved") -> None:
     if rope_style not in ROPE_STYLES:
         _fail(f"rope_style must be one of {ROPE_STYLES}, got {rope_style!r}")
-    for name, t in (("q_a", q_a), ("q_b_weight", q_b_weight), ("w_kc", w_kc), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, Tensor):
-            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            _fail(f"{name} must be on the CPU, got {t.device}")
+    check_cpu_tensors(_fail, dict(q_a=q_a, q_b_weight=q_b_weight, w_kc=w_kc, cos=cos, sin=sin))
     if q_a.dtype not in SUPPORTED_DTYPES:
         _fail(f"q_a has dtype {q_a.dtype}; supported: bfloat16, float16, float32")
     for name, t in (("q_b_weight", q_b_weight), ("w_kc", w_kc)):

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from .checks import check_cpu_tensors
 
 from .rope import ROPE_STYLES, rotate_pairs
 
@@ -39,11 +40,8 @@ def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv
     """Every precondition of the op, with a message naming the argument."""
     tensors = {"x": x, "q_weight": q_weight, "kv_weight": kv_weight, "kv_norm_weight": kv_norm_weight}
     tensors.update({k: v for k, v in (("q_norm_weight", q_norm_weight), ("q_bias", q_bias), ("kv_bias", kv_bias)) if v is not None})
+    check_cpu_tensors(_fail, tensors)
     for name, t in tensors.items():
-        if not isinstance(t, Tensor):
-            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            _fail(f"{name} must be on the CPU, got {t.device}")
         if t.dtype != x.dtype:
             _fail(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
     if x.dtype not in SUPPORTED_DTYPES:

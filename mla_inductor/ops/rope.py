@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -62,11 +63,7 @@ def _heads(name: str, t: Tensor, positions: Tensor, head_size: int) -> int:
 
 def check_args(positions, query, key, head_size, cos_sin_cache) -> None:
     """Every precondition that does not depend on the values of positions."""
-    for name, t in (("positions", positions), ("query", query), ("key", key), ("cos_sin_cache", cos_sin_cache)):
-        if not isinstance(t, Tensor):
-            _fail(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            _fail(f"{name} must be on the CPU, got {t.device}")
+    check_cpu_tensors(_fail, dict(positions=positions, query=query, key=key, cos_sin_cache=cos_sin_cache))
     if positions.dtype not in (torch.int32, torch.int64):
         _fail(f"positions must be int32 or int64, got {positions.dtype}")
     if query.dtype not in SUPPORTED_DTYPES:
@@ -167,11 +164,7 @@ def _fail_apply(message: str) -> None:
 
 
 def check_apply_args(x, cos, sin, style) -> None:
-    for name, t in (("x", x), ("cos", cos), ("sin", sin)):
-        if not isinstance(t, Tensor):
-            _fail_apply(f"{name} must be a Tensor, got {type(t).__name__}")
-        if t.device.type != "cpu":
-            _fail_apply(f"{name} must be on the CPU, got {t.device}")
+    check_cpu_tensors(_fail_apply, dict(x=x, cos=cos, sin=sin))
     if x.dtype not in SUPPORTED_DTYPES:
         _fail_apply(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
     if style not in ROPE_STYLES:
