@@ -62,7 +62,7 @@ inline void gather_rows(const T* cache, int64_t block_size, int64_t row_stride, 
 }
 
 // The rows of one score tile: key[n] holds K_n (or its first part, when the rope part lives in a
-// cache of its own), rope[n] the rest; *_ahead the rows of the next tile, for the prefetch.
+// cache of its own), rope[n] the rest; *_ahead rows of a later tile, for the prefetch.
 template <typename T>
 struct KeyTile {
   const T* const* key;
