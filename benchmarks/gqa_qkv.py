@@ -9,7 +9,6 @@ measured in the same rounds). Asserts nothing.
     python benchmarks/gqa_qkv.py [--rows 1 8 512] [--layers 3]
 """
 
-
 import torch
 import transformers
 from torch import nn

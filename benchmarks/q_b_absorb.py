@@ -8,7 +8,6 @@ its best and mla_inductor, against the roofline measured in the same rounds. Ass
     python benchmarks/q_b_absorb.py [--rows 1 8 512] [--layers 10]
 """
 
-
 import torch
 from torch import nn
 

@@ -7,7 +7,6 @@ its best and mla_inductor, against the roofline measured in the same rounds. Ass
     python benchmarks/qkv_a.py [--rows 1 8 512] [--layers 6] [--template-max-rows N]
 """
 
-
 import torch
 from torch import nn
 

@@ -10,7 +10,6 @@ measured in the same rounds). Asserts nothing.
     python benchmarks/qkv_chain.py [--rows 1 8 512] [--layers 4]
 """
 
-
 import torch
 from torch import nn
 

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
 from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
 from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

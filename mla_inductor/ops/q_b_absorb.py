@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
-from .checks import check_cpu_tensors
 
+from .checks import check_cpu_tensors
 from .rope import ROPE_STYLES, SUPPORTED_DTYPES, rotate_pairs
 
 

@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from .checks import check_cpu_tensors
 
+from .checks import check_cpu_tensors
 from .rope import ROPE_STYLES, rotate_pairs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

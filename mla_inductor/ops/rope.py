@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
 from .checks import check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -79,8 +79,8 @@ def check(match: Match) -> Optional[str]:
     if q_a.dim() == 3:  # transformers' [B, 1, q_lora_rank]: rows by batch, cos/sin broadcast over it
         cos = kw["cos"]
         if q_a.shape[1] != 1 or cos.dim() != 4 or cos.shape[0] not in (1, q_a.shape[0]) or cos.shape[1:3] != (1, 1):
-            return f"q_a {list(q_a.shape)} with cos {list(kw['cos'].shape)} is not one decode token per request"
-        batch, half = q_a.shape[0], kw["cos"].shape[-1]
+            return f"q_a {list(q_a.shape)} with cos {list(cos.shape)} is not one decode token per request"
+        batch, half = q_a.shape[0], cos.shape[-1]
         q_a = q_a.reshape(batch, -1)
         kw["cos"], kw["sin"] = (kw[n].expand(batch, 1, 1, half).reshape(batch, half) for n in ("cos", "sin"))
     rows = size_hint(q_a.shape[0])

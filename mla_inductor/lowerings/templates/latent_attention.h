@@ -84,6 +84,25 @@ __attribute__((always_inline)) inline __m128 reduce_add_4(__m512 a0, __m512 a1, 
 }
 #endif
 
+inline float reduce_add(const at::vec::Vectorized<float>& v) {
+  return at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return a + b; }, v);
+}
+#if defined(__AVX512F__)
+inline float reduce_add(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+// dst[0..N) = scale * the horizontal sums of acc[0..N) (V: Vectorized<float>, or __m512 with AVX-512).
+template <int N, typename V>
+__attribute__((always_inline)) inline void horizontal_sums(const V (&acc)[N], float* dst, float scale = 1.f) {
+#if defined(__AVX512F__)
+  if constexpr (N == 4 && sizeof(V) == sizeof(__m512)) {
+    _mm_storeu_ps(dst, _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(acc[0], acc[1], acc[2], acc[3])));
+    return;
+  }
+#endif
+  for (int n = 0; n < N; ++n) dst[n] = scale * reduce_add(acc[n]);
+}
+
 #if defined(__AVX512BF16__)
 // Column of o that lane i of a 32-column chunk holds: _mm512_unpack{lo,hi}_epi16 interleave two rows
 // within 128-bit lanes, so the "lo" accumulator (i < 16) gets columns 8q..8q+3 and "hi" 8q+4..8q+7.
@@ -131,13 +150,7 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10:
     for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
   qk_segment_bf16<D1, MH, NR, PREFETCH>(acc, q, ldq, tile.key, tile.key_ahead);
   if constexpr (D2 > 0) qk_segment_bf16<D2, MH, NR, PREFETCH>(acc, q + D1, ldq, tile.rope, tile.rope_ahead);
-  for (int h = 0; h < MH; ++h) {
-    if constexpr (NR == 4) {
-      _mm_storeu_ps(s + h * lds, _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(acc[h][0], acc[h][1], acc[h][2], acc[h][3])));
-    } else {
-      for (int n = 0; n < NR; ++n) s[h * lds + n] = scale * _mm512_reduce_add_ps(acc[h][n]);
-    }
-  }
+  for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
 // o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs.
@@ -196,9 +209,7 @@ inline void qk_tile_fma(const T* q, int64_t ldq, const KeyTile<T>& tile, float s
     for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
   qk_segment_fma<T, MH, NR>(acc, q, ldq, tile.key, D1);
   if constexpr (D2 > 0) qk_segment_fma<T, MH, NR>(acc, q + D1, ldq, tile.rope, D2);
-  for (int h = 0; h < MH; ++h)
-    for (int n = 0; n < NR; ++n)
-      s[h * lds + n] = scale * at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[h][n]);
+  for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
 // Portable P.V tile: o[h, c .. c + width) = alpha[h] * o + sum_j p[h, j] V_j[c ..], fp32 FMAs.
@@ -255,7 +266,7 @@ inline float exp_and_round(const float* row, int n, float max, P* prob) {
     }
     sum += Vec::set(Vec(0.f), e, count);  // lanes past count hold exp(-max) garbage
   }
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, sum);
+  return reduce_add(sum);
 }
 
 // One step of the online softmax over a block of n rows: s (scaled scores, [H, kKvBlock]) becomes the
@@ -350,10 +361,10 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
       const T* rope_ahead[kQkRows];
       key.ahead(n0, n, n_next, key_ahead);
       if constexpr (D2 > 0) rope.ahead(n0, n, n_next, rope_ahead);
+      // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tile ahead, if any.
+      constexpr int kQkHeadTiles = (H + kQkHeads - 1) / kQkHeads;
+      constexpr int kAheadRows = (kQkRows + kQkHeadTiles - 1) / kQkHeadTiles;
       for (int h0 = 0; h0 < H; h0 += kQkHeads) {
-        // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tile ahead, if any.
-        constexpr int kQkHeadTiles = (H + kQkHeads - 1) / kQkHeads;
-        constexpr int kAheadRows = (kQkRows + kQkHeadTiles - 1) / kQkHeadTiles;
         const int first_ahead = h0 / kQkHeads * kAheadRows;
         const bool prefetches = first_ahead < kQkRows;
         const int shift = prefetches ? first_ahead : 0;
@@ -441,19 +452,6 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
     }
   }
   for (int64_t i = 0; i < L; ++i) latent[stored_column<T>(i, L)] = merged[i];
-}
-
-// dst[0..N) = the horizontal sums of acc[0..N).
-template <int N>
-__attribute__((always_inline)) inline void horizontal_sums(const at::vec::Vectorized<float> (&acc)[N], float* dst) {
-  using Vec = at::vec::Vectorized<float>;
-#if defined(__AVX512F__)
-  if constexpr (N == 4 && Vec::size() == 16) {
-    _mm_storeu_ps(dst, reduce_add_4(acc[0], acc[1], acc[2], acc[3]));
-    return;
-  }
-#endif
-  for (int n = 0; n < N; ++n) dst[n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[n]);
 }
 
 // out[k * ld_out + r] = latents[k] . w[r] for NB requests x NR rows of w, rounded once. The tile's
