@@ -32,12 +32,13 @@ def bench_kernel(args):
     block_tables, num_blocks = make_block_tables(batch, args.context, args.block_size, seed=0)
     caches = [torch.randn(num_blocks, args.block_size, lora + rope).to(dtype) for _ in range(args.layers)]
     q = torch.randn(batch, heads, lora + rope).to(dtype)
-    w_vc = (torch.randn(heads, v_head_dim, lora) * lora**-0.5).to(dtype)
+    # Every layer has its own W_vc, as in a model: one shared across layers could stay in the L3.
+    w_vcs = [(torch.randn(heads, v_head_dim, lora) * lora**-0.5).to(dtype) for _ in range(args.layers)]
     seq_lens = torch.full((batch,), args.context)
     scale = (128 + 64) ** -0.5
 
-    def step(q, caches, block_tables, seq_lens, w_vc):
-        return [paged_absorbed_decode(q, c, block_tables, seq_lens, w_vc, scale) for c in caches]
+    def step(q, caches, block_tables, seq_lens, w_vcs):
+        return [paged_absorbed_decode(q, c, block_tables, seq_lens, w, scale) for c, w in zip(caches, w_vcs)]
 
     variants = {
         "stock": torch.compile(step, dynamic=False),
@@ -49,10 +50,10 @@ def bench_kernel(args):
     copy, copy_bytes = benchmarking.copy_probe()
     gemm, gemm_flops = benchmarking.gemm_probe()
     with torch.no_grad():
-        outs = {name: fn(q, caches, block_tables, seq_lens, w_vc) for name, fn in variants.items()}
+        outs = {name: fn(q, caches, block_tables, seq_lens, w_vcs) for name, fn in variants.items()}
         fired = mla_inductor.fusion_counts()["mla_decode"]
         error = max((a.float() - b.float()).abs().max().item() for a, b in zip(outs["mla"], outs["stock"]))
-        fns = {name: (lambda fn=fn: fn(q, caches, block_tables, seq_lens, w_vc)) for name, fn in variants.items()}
+        fns = {name: (lambda fn=fn: fn(q, caches, block_tables, seq_lens, w_vcs)) for name, fn in variants.items()}
         t = benchmarking.interleaved_medians({**fns, "copy": copy, "gemm": gemm}, rounds=args.rounds, calls=3)
     bandwidth, throughput = copy_bytes / t["copy"], gemm_flops / t["gemm"]
     per_layer = {name: t[name] / args.layers for name in variants}

@@ -39,7 +39,7 @@ constexpr int kQkHeads = 6;
 constexpr int kQkRows = 4;
 // P.V tiles are up to kPvHeads heads x 32 columns (two accumulators per head) + 5 working registers.
 constexpr int kPvHeads = 12;
-// The score pass prefetches the rows kPrefetchTiles row tiles ahead (see qk_segment_bf16).
+// The score pass prefetches the rows kPrefetchTiles row tiles ahead into L2 (see qk_segment_bf16).
 constexpr int kPrefetchTiles = 2;
 
 // Calls f.template operator()<N>() for the runtime n in [1, MAX].
@@ -62,13 +62,16 @@ inline void gather_rows(const T* cache, int64_t block_size, int64_t row_stride, 
 }
 
 // The rows of one score tile: key[n] holds K_n (or its first part, when the rope part lives in a
-// cache of its own), rope[n] the rest; *_ahead rows of a later tile, for the prefetch.
+// cache of its own), rope[n] the rest; *_to_l2 rows kPrefetchTiles tiles ahead and *_to_l1 rows of the
+// next tile, for the prefetches.
 template <typename T>
 struct KeyTile {
   const T* const* key;
   const T* const* rope;
-  const T* const* key_ahead;
-  const T* const* rope_ahead;
+  const T* const* key_to_l2;
+  const T* const* rope_to_l2;
+  const T* const* key_to_l1;
+  const T* const* rope_to_l1;
 };
 
 #if defined(__AVX512F__)
@@ -111,22 +114,25 @@ inline int paired_column(int i) {
   return 8 * (lane >> 2) + (i >= 16 ? 4 : 0) + (lane & 3);
 }
 
-// acc[h][n] += q[h, 0:D] . rows[n][0:D] for MH heads x NR rows, and a prefetch of PREFETCH rows of a
-// later tile (`ahead`), one line per row per k-step. The cache rows are the one stream from memory and
-// the hardware prefetcher does not run far enough ahead on a few short, scattered rows: without the
-// prefetch the kernel runs 35% slower. The head tiles of a row tile share the next rows between them
-// (with 22 heads: one row each), so that the misses in flight stay few enough for the miss buffers;
-// when the first head tile asked for all of them, it stalled on the prefetches (0-6% slower). The L2
-// hint measured faster than L1.
+// acc[h][n] += q[h, 0:D] . rows[n][0:D] for MH heads x NR rows, and two prefetches of PREFETCH rows
+// each, one line per row per k-step: rows of a later tile into L2 (`to_l2`), rows of the next tile into
+// L1 (`to_l1`). The cache rows are the one stream from memory and the hardware prefetcher does not run
+// far enough ahead on a few short, scattered rows: without the prefetch the kernel runs 35% slower. The
+// head tiles of a row tile share the rows between them (with 22 heads: one row each), so that the misses
+// in flight stay few enough for the miss buffers; when the first head tile asked for all of them, it
+// stalled on the prefetches (0-6% slower). From memory, the L2 hint measured faster than L1; moving the
+// next tile to L1 as well is 1-4.5% faster (the first head tile of a row tile waited on its loads).
 template <int64_t D, int MH, int NR, int PREFETCH>
 __attribute__((always_inline)) inline void qk_segment_bf16(__m512 (&acc)[MH][NR], const c10::BFloat16* q,
                                                            int64_t ldq, const c10::BFloat16* const* rows,
-                                                           const c10::BFloat16* const* ahead) {
+                                                           const c10::BFloat16* const* to_l2,
+                                                           const c10::BFloat16* const* to_l1) {
   auto step = [&](int64_t k, auto load) {
     __m512bh kv[NR];
     for (int n = 0; n < NR; ++n) kv[n] = load(rows[n] + k);
     if constexpr (PREFETCH > 0) {
-      for (int n = 0; n < PREFETCH; ++n) _mm_prefetch(reinterpret_cast<const char*>(ahead[n] + k), _MM_HINT_T1);
+      for (int n = 0; n < PREFETCH; ++n) _mm_prefetch(reinterpret_cast<const char*>(to_l2[n] + k), _MM_HINT_T1);
+      for (int n = 0; n < PREFETCH; ++n) _mm_prefetch(reinterpret_cast<const char*>(to_l1[n] + k), _MM_HINT_T0);
     }
     for (int h = 0; h < MH; ++h) {
       const __m512bh qv = load(q + h * ldq + k);
@@ -148,18 +154,24 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10:
   __m512 acc[MH][NR];
   for (int h = 0; h < MH; ++h)
     for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
-  qk_segment_bf16<D1, MH, NR, PREFETCH>(acc, q, ldq, tile.key, tile.key_ahead);
-  if constexpr (D2 > 0) qk_segment_bf16<D2, MH, NR, PREFETCH>(acc, q + D1, ldq, tile.rope, tile.rope_ahead);
+  qk_segment_bf16<D1, MH, NR, PREFETCH>(acc, q, ldq, tile.key, tile.key_to_l2, tile.key_to_l1);
+  if constexpr (D2 > 0)
+    qk_segment_bf16<D2, MH, NR, PREFETCH>(acc, q + D1, ldq, tile.rope, tile.rope_to_l2, tile.rope_to_l1);
   for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
-// o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs.
-// p rows hold bf16 probabilities with an even count (a zero pads an odd block).
+// o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs;
+// alpha = nullptr: o = sum_j ..., o is not read. p rows hold bf16 probabilities with an even count (a zero
+// pads an odd block).
 template <int MH>
 inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* const* rows, int n_pairs,
                          int64_t c, const float* alpha, float* o, int64_t ldo) {
   __m512 lo[MH], hi[MH];
   for (int h = 0; h < MH; ++h) {
+    if (alpha == nullptr) {
+      lo[h] = hi[h] = _mm512_setzero_ps();
+      continue;
+    }
     const __m512 a = _mm512_set1_ps(alpha[h]);
     lo[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c));
     hi[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c + 16));
@@ -212,7 +224,8 @@ inline void qk_tile_fma(const T* q, int64_t ldq, const KeyTile<T>& tile, float s
   for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
-// Portable P.V tile: o[h, c .. c + width) = alpha[h] * o + sum_j p[h, j] V_j[c ..], fp32 FMAs.
+// Portable P.V tile: o[h, c .. c + width) = alpha[h] * o + sum_j p[h, j] V_j[c ..], fp32 FMAs (alpha =
+// nullptr: o is not read).
 template <typename T, int MH>
 inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n, int64_t c, int64_t width,
                         const float* alpha, float* o, int64_t ldo) {
@@ -221,7 +234,7 @@ inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n
   for (int64_t c0 = c; c0 < c + width; c0 += W) {
     const int64_t count = std::min<int64_t>(W, c + width - c0);
     Vec acc[MH];
-    for (int h = 0; h < MH; ++h) acc[h] = Vec(alpha[h]) * Vec::loadu(o + h * ldo + c0, count);
+    for (int h = 0; h < MH; ++h) acc[h] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c0, count) : Vec(0.f);
     for (int j = 0; j < n; ++j) {
       const Vec v = load_floats(rows[j] + c0, count);
       for (int h = 0; h < MH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * ldp + j]), v, acc[h]);
@@ -234,7 +247,7 @@ inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n
 struct SoftmaxState {
   float* m;  // [H]
   float* l;  // [H]
-  float* o;  // [H, L]
+  float* o;  // [H, L], written by the first block (left as it was if the task has no rows: then l = 0)
 };
 
 // Whether the dpbf16 kernels serve this dtype and latent width (P.V works in 32-column chunks).
@@ -318,21 +331,21 @@ struct BlockRows {
     std::copy(next, next + n, rows);
     rows[n] = pad;
   }
-  // The rows of the tile kPrefetchTiles after tile n0, for the prefetch (the last real row repeats past
-  // the task's end).
-  void ahead(int n0, int n, int n_next, const T** out) const {
+  // The rows of the tile `tiles` after tile n0, for the prefetches (the last real row repeats past the
+  // task's end).
+  void ahead(int n0, int n, int n_next, int tiles, const T** out) const {
     static_assert(kPrefetchTiles * kQkRows <= kKvBlock);
     for (int i = 0; i < kQkRows; ++i) {
-      const int a = n0 + kPrefetchTiles * kQkRows + i;
+      const int a = n0 + tiles * kQkRows + i;
       out[i] = a < n ? rows[a] : a - n < n_next ? next[a - n] : rows[n - 1];
     }
   }
 };
 
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
-// into st (initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when D2 > 0,
-// by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row. `zero_row`
-// pads an odd block, so that no row at or past the request's length is ever read.
+// into st (m and l initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when
+// D2 > 0, by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row.
+// `zero_row` pads an odd block, so that no row at or past the request's length is ever read.
 template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L>
 inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* rope_cache, int64_t block_size,
                          const IndexT* table, int64_t j0, int64_t j1, float scale, float softcap, const T* zero_row,
@@ -357,18 +370,25 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
 
     // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
     for (int n0 = 0; n0 < n; n0 += kQkRows) {
-      const T* key_ahead[kQkRows];
-      const T* rope_ahead[kQkRows];
-      key.ahead(n0, n, n_next, key_ahead);
-      if constexpr (D2 > 0) rope.ahead(n0, n, n_next, rope_ahead);
-      // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tile ahead, if any.
+      const T* key_to_l2[kQkRows];
+      const T* rope_to_l2[kQkRows];
+      const T* key_to_l1[kQkRows];
+      const T* rope_to_l1[kQkRows];
+      key.ahead(n0, n, n_next, kPrefetchTiles, key_to_l2);
+      key.ahead(n0, n, n_next, 1, key_to_l1);
+      if constexpr (D2 > 0) {
+        rope.ahead(n0, n, n_next, kPrefetchTiles, rope_to_l2);
+        rope.ahead(n0, n, n_next, 1, rope_to_l1);
+      }
+      // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tiles ahead, if any.
       constexpr int kQkHeadTiles = (H + kQkHeads - 1) / kQkHeads;
       constexpr int kAheadRows = (kQkRows + kQkHeadTiles - 1) / kQkHeadTiles;
       for (int h0 = 0; h0 < H; h0 += kQkHeads) {
         const int first_ahead = h0 / kQkHeads * kAheadRows;
         const bool prefetches = first_ahead < kQkRows;
         const int shift = prefetches ? first_ahead : 0;
-        const KeyTile<T> tile{key.rows + n0, rope.rows + n0, key_ahead + shift, rope_ahead + shift};
+        const KeyTile<T> tile{key.rows + n0, rope.rows + n0, key_to_l2 + shift, rope_to_l2 + shift,
+                              key_to_l1 + shift, rope_to_l1 + shift};
         dispatch_count<kQkHeads>(std::min(kQkHeads, H - h0), [&]<int MH>() {
           dispatch_count<kQkRows>(std::min(kQkRows, n - n0), [&]<int NR>() {
             float* out = s + h0 * kKvBlock + n0;
@@ -390,7 +410,8 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
 
     softmax_step<ProbT>(s, H, n, softcap, st, alpha, p);
 
-    // o = alpha * o + p . V, heads in balanced tiles of at most kPvHeads.
+    // o = alpha * o + p . V (o = p . V on the first block), heads in balanced tiles of at most kPvHeads.
+    const float* block_alpha = jb == j0 ? nullptr : alpha;
     constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
     constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
     for (int h0 = 0; h0 < H; h0 += kTileHeads) {
@@ -398,13 +419,14 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, alpha + h0, st.o + h0 * L, L);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c,
+                             block_alpha ? block_alpha + h0 : nullptr, st.o + h0 * L, L);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
           for (int64_t c = 0; c < L; c += kChunk)
-            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c), alpha + h0,
-                               st.o + h0 * L, L);
+            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c),
+                               block_alpha ? block_alpha + h0 : nullptr, st.o + h0 * L, L);
         }
       });
     }
