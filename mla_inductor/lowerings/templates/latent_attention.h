@@ -247,7 +247,7 @@ inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n
 struct SoftmaxState {
   float* m;  // [H]
   float* l;  // [H]
-  float* o;  // [H, L], written by the first block (left as it was if the task has no rows: then l = 0)
+  float* o;  // [H, L], written by the first block; not written if the task has no rows (l = 0: the merge skips it)
 };
 
 // Whether the dpbf16 kernels serve this dtype and latent width (P.V works in 32-column chunks).
