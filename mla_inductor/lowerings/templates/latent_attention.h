@@ -411,22 +411,21 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
     softmax_step<ProbT>(s, H, n, softcap, st, alpha, p);
 
     // o = alpha * o + p . V (o = p . V on the first block), heads in balanced tiles of at most kPvHeads.
-    const float* block_alpha = jb == j0 ? nullptr : alpha;
     constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
     constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
     for (int h0 = 0; h0 < H; h0 += kTileHeads) {
+      const float* tile_alpha = jb == j0 ? nullptr : alpha + h0;
       dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c,
-                             block_alpha ? block_alpha + h0 : nullptr, st.o + h0 * L, L);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
           for (int64_t c = 0; c < L; c += kChunk)
-            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c),
-                               block_alpha ? block_alpha + h0 : nullptr, st.o + h0 * L, L);
+            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c), tile_alpha,
+                               st.o + h0 * L, L);
         }
       });
     }
