@@ -191,13 +191,4 @@ inline void rms_norm_row(const float* row, int64_t n, const T* weight, float eps
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(row[i] * scale * static_cast<float>(weight[i]));
 }
 
-template <typename T>
-inline void store_row(const float* row, int64_t n, T* out) {
-  using Vec = at::vec::Vectorized<float>;
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    const int64_t count = std::min<int64_t>(Vec::size(), n - i);
-    store_floats(out + i, Vec::loadu(row + i, count), count);
-  }
-}
-
 }  // namespace mla_inductor

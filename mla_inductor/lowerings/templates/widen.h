@@ -1,8 +1,9 @@
-// Shared by the templates' portable paths: load up to one vector of T and widen it to fp32.
+// Shared by the templates: load up to one vector of T widened to fp32, and round fp32 back to T.
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -27,6 +28,16 @@ inline void store_floats(T* p, const at::vec::Vectorized<float>& v,
     v.store(p, count);
   } else {
     at::vec::convert<T>(v).store(p, count);
+  }
+}
+
+// Round the n fp32 values of row to T and store them at out.
+template <typename T>
+inline void store_row(const float* row, int64_t n, T* out) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - i);
+    store_floats(out + i, Vec::loadu(row + i, count), count);
   }
 }
 
