@@ -19,6 +19,7 @@ FUSIONS = (
     "mla_decode",
     "qkv_proj_with_rope",
     "gqa_qkv",
+    "gqa_decode",
 )
 
 OPTION_PREFIX = "mla_inductor."

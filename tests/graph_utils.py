@@ -1,6 +1,8 @@
-"""Helpers for the fusion tests: graphs after MLAPass, and a decode step of the serving model."""
+"""Helpers for the fusion tests: graphs after MLAPass, a decode step of the serving model, and tiny
+transformers GQA models."""
 
 import torch
+import transformers
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import mla_inductor
@@ -27,7 +29,8 @@ def format_graph(graph: torch.fx.Graph) -> str:
             continue
         target = str(node.target).replace("aten.", "").replace(".default", "")
         args = ", ".join(_fmt(a) for a in node.args)
-        if str(node.target).startswith("mla.") and node.kwargs:  # our ops' optional arguments
+        # Our ops' optional arguments, and attention's mask and scale.
+        if (str(node.target).startswith("mla.") or "scaled_dot_product" in str(node.target)) and node.kwargs:
             args += "".join(f", {k}={_fmt(v)}" for k, v in node.kwargs.items())
         lines.append(f"{node.name} = {target}({args})")
     return "\n".join(lines)
@@ -83,3 +86,15 @@ def greedy(model, cache, prompt, steps, step_fn=None):
             tokens.append(token)
             logits.append(out)
     return torch.cat(tokens, 1), torch.stack(logits)
+
+
+def tiny_gqa_model(arch, dtype, layers=2):
+    """A tiny transformers Llama or Qwen2 (q/k/v with bias): 4 query heads over 2 key/value heads of 24."""
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)
+    torch.manual_seed(0)
+    return model_cls(config).to(dtype).eval()

@@ -11,7 +11,7 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import greedy, rewritten
+from graph_utils import greedy, rewritten, tiny_gqa_model as tiny
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
 
 B, S, H, NQ, NKV, D = 2, 3, 96, 4, 2, 16
@@ -226,17 +226,6 @@ def test_template_writes_an_fp8_block_cache_as_eager_does():
 
 
 # --- the pattern on transformers Llama and Qwen2 ----------------------------------------------------
-
-
-def tiny(arch, dtype, layers=2):
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[arch]
-    config = config_cls(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)
-    torch.manual_seed(0)
-    return model_cls(config).to(dtype).eval()
 
 
 @pytest.mark.parametrize("arch, freezing", [("llama", False), ("qwen2", False), ("llama", True)])

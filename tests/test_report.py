@@ -30,7 +30,8 @@ def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
             assert r["roofline_bound"] == "memory"
         assert r["speedup"]["vs_stock_best"] > 0
         assert r["label"] in markdown
-    assert written["results"][4]["fusion_counts"]["gqa_qkv"] == 2  # Llama decode: one per layer
+    llama_decode = written["results"][4]["fusion_counts"]
+    assert llama_decode["gqa_qkv"] == llama_decode["gqa_decode"] == 2  # one per layer
     assert "| case |" in capsys.readouterr().out
 
 

@@ -19,7 +19,7 @@ from ..explain import checked
 from ..passes import STAGES, pattern_pass
 
 # Fusion modules in this package, registered in this order (larger fusions first where they overlap).
-FUSION_MODULES: tuple[str, ...] = ("qkv_a", "q_b_absorb", "mla_decode", "rope", "gqa_qkv")
+FUSION_MODULES: tuple[str, ...] = ("qkv_a", "q_b_absorb", "mla_decode", "rope", "gqa_qkv", "gqa_decode")
 
 
 def node_value(arg):

@@ -1,0 +1,149 @@
+"""gqa_decode: grouped-query decode attention packed onto the key/value heads, on serving-style code and
+on transformers Llama / Qwen2."""
+
+import expecttest
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import mla_inductor
+from graph_utils import greedy, rewritten, tiny_gqa_model
+from mla_inductor.patterns.gqa_decode import repeat_kv
+
+BATCH, KV_HEADS, N_REP, ROWS, HEAD_DIM = 3, 2, 3, 37, 16
+HEADS = KV_HEADS * N_REP
+SCALE = HEAD_DIM**-0.5
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-4}
+
+
+def make_inputs(dtype, seed=0, query_rows=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(BATCH, HEADS, query_rows, HEAD_DIM, generator=g).to(dtype)
+    k, v = (torch.randn(BATCH, KV_HEADS, ROWS, HEAD_DIM, generator=g).to(dtype) for _ in range(2))
+    lengths = torch.tensor([ROWS, 1, 20])  # request b sees its first lengths[b] rows
+    visible = (torch.arange(ROWS) < lengths[:, None])[:, None, None, :]  # [B, 1, 1, T]
+    return q, k, v, visible
+
+
+def reference_fp64(q, k, v, visible):
+    """Query head h attends over key/value head h // N_REP, only where `visible`."""
+    q, k, v = q.double(), k.double().repeat_interleave(N_REP, 1), v.double().repeat_interleave(N_REP, 1)
+    scores = (q @ k.transpose(-1, -2) * SCALE).masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def every_form(q, k, v, visible):
+    """The spellings of the pattern, as serving code and transformers write them."""
+    additive = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+    return (
+        F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=visible, scale=SCALE),
+        F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=additive, scale=SCALE),
+        F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), scale=SCALE),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=SCALE, enable_gqa=True),
+        F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_form_fires_and_matches_fp64(dtype):
+    q, k, v, visible = make_inputs(dtype)
+    all_visible = torch.ones_like(visible)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = every_form(q, k, v, visible)
+        compiled = torch.compile(every_form, backend="mla_inductor")(q, k, v, visible)
+    assert mla_inductor.fusion_counts()["gqa_decode"] == 5
+    for i, (ours, theirs) in enumerate(zip(compiled, eager)):
+        expected = reference_fp64(q, k, v, all_visible if i in (2, 4) else visible)
+        torch.testing.assert_close(ours.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        assert (ours.double() - expected).abs().max() <= 2 * (theirs.double() - expected).abs().max() + 1e-6
+
+
+def test_where_it_must_not_fire():
+    """Several query rows (prefill), a mask per head, a causal flag (top-left aligned: it would admit
+    other rows once the heads are rows) and plain multi-head attention stay as written. The matcher
+    ignores keywords a pattern does not name: the forms without a mask or scale see the masked, scaled
+    attention too, and must turn it down."""
+    q, k, v, visible = make_inputs(torch.float32)
+    prefill_q = make_inputs(torch.float32, query_rows=4)[0]
+    per_head = visible.expand(BATCH, HEADS, 1, ROWS)
+
+    def fn(q, prefill_q, k, v, per_head):
+        return (
+            F.scaled_dot_product_attention(prefill_q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), scale=SCALE),
+            F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=per_head),
+            F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), is_causal=True),
+            F.scaled_dot_product_attention(q, q, q),
+        )
+
+    result = mla_inductor.explain(fn, q, prefill_q, k, v, per_head, verbose=False)
+    assert result.counts()["gqa_decode"] == 0
+    reasons = "\n".join(e.reason for e in result.rejected if e.fusion == "gqa_decode")
+    assert "4 query rows" in reasons
+    assert "differs between heads" in reasons
+    assert "attn_mask=where, which this form does not carry" in reasons
+    assert "6 query heads over 6 key and 6 value heads" in reasons
+
+
+def test_not_when_switched_off():
+    q, k, v, visible = make_inputs(torch.float32)
+    graph = rewritten(every_form, q, k, v, visible, stage="post_grad", fusions={"gqa_decode": False})
+    assert graph.count("clone(expand") == 6  # repeat_kv's copies of k and v, for three forms
+
+
+# --- transformers Llama and Qwen2 ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_llama_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(freezing):
+    """StaticCache: a mask, so transformers repeats k and v under Dynamo."""
+    model = tiny_gqa_model("llama", torch.float32)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
+    torch._dynamo.reset()
+    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 16)
+    cache = make_cache()
+    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                             backend="mla_inductor")
+    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
+        tokens, logits = greedy(model, cache, prompt, 16, compiled)
+    assert mla_inductor.fusion_counts()["gqa_decode"] == 2
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_qwen2_dynamic_cache_decode_fires_as_the_cache_grows():
+    """DynamicCache at batch 1: no mask, so transformers asks SDPA for `enable_gqa`; from the second
+    step on the row count is dynamic (automatic dynamic shapes)."""
+    model = tiny_gqa_model("qwen2", torch.bfloat16)
+    prompt = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    torch._dynamo.reset()
+    _, expected = greedy(model, transformers.DynamicCache(config=model.config), prompt, 4)
+    cache = transformers.DynamicCache(config=model.config)
+    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                             backend="mla_inductor")
+    _, logits = greedy(model, cache, prompt, 4, compiled)
+    assert mla_inductor.fusion_counts()["gqa_decode"] == 4  # two layers, in the static and the dynamic graph
+    torch.testing.assert_close(logits.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+class TestRewrite(expecttest.TestCase):
+    def test_llama_decode_layer(self):
+        """The query viewed as [B, kv_heads, heads / kv_heads, d] attends over the cache as written
+        (index_put: StaticCache's update), with the model's [B, 1, 1, T] mask; no repeated copies."""
+        model = tiny_gqa_model("llama", torch.bfloat16, layers=1)
+        prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache)
+        step = lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits  # noqa: E731
+        graph = rewritten(step, torch.tensor([[3], [4]]), torch.full((2, 1), 6), stage="post_grad")
+        assert "unsqueeze(index_put" not in graph  # repeat_kv of the updated cache
+        lines = graph.splitlines()
+        at = next(i for i, line in enumerate(lines) if "scaled_dot_product" in line)
+        self.assertExpectedInline("\n".join(lines[at - 1 : at + 3]), """\
+reshape_default = reshape(permute_default, [2, 2, 2, 24])
+_scaled_dot_product_flash_attention_for_cpu_default = _scaled_dot_product_flash_attention_for_cpu(reshape_default, index_put, index_put_1, attn_mask=where, scale=0.2041241452319315)
+getitem_2 = <built-in function getitem>(_scaled_dot_product_flash_attention_for_cpu_default, 0)
+reshape_default_1 = reshape(getitem_2, [2, 4, 1, 24])""")
