@@ -1,6 +1,8 @@
 """Helpers for the fusion tests: graphs after MLAPass, a decode step of the serving model, and tiny
 transformers GQA models."""
 
+import functools
+
 import torch
 import transformers
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -98,3 +100,22 @@ def tiny_gqa_model(arch, dtype, layers=2):
                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)
     torch.manual_seed(0)
     return model_cls(config).to(dtype).eval()
+
+
+@functools.cache
+def static_cache_greedy_decode(arch, freezing, steps=16):
+    """Greedy decoding of a tiny fp32 `tiny_gqa_model` with a StaticCache after an eager prefill, eagerly
+    and through the mla_inductor backend; compiled once per process and shared by the tests of every
+    fusion that fires there. Returns the compile's fusion counts and (eager, compiled) tokens and logits."""
+    model = tiny_gqa_model(arch, torch.float32)
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
+    expected = greedy(model, make_cache(), prompt, steps)
+    cache = make_cache()
+    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                             backend="mla_inductor")
+    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
+        actual = greedy(model, cache, prompt, steps, compiled)
+    return mla_inductor.fusion_counts(), expected, actual

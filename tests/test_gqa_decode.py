@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import transformers
 
 import mla_inductor
-from graph_utils import greedy, rewritten, tiny_gqa_model
+from graph_utils import greedy, rewritten, static_cache_greedy_decode, tiny_gqa_model
 from mla_inductor.patterns.gqa_decode import repeat_kv
 
 BATCH, KV_HEADS, N_REP, ROWS, HEAD_DIM = 3, 2, 3, 37, 16
@@ -95,20 +95,12 @@ def test_not_when_switched_off():
 # --- transformers Llama and Qwen2 ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("freezing", [False, True])
-def test_llama_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(freezing):
-    """StaticCache: a mask, so transformers repeats k and v under Dynamo."""
-    model = tiny_gqa_model("llama", torch.float32)
-    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
-    torch._dynamo.reset()
-    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 16)
-    cache = make_cache()
-    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
-                             backend="mla_inductor")
-    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
-        tokens, logits = greedy(model, cache, prompt, 16, compiled)
-    assert mla_inductor.fusion_counts()["gqa_decode"] == 2
+@pytest.mark.parametrize("arch, freezing", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch, freezing):
+    """StaticCache: a mask, so transformers repeats k and v under Dynamo (the compiles test_gqa_qkv
+    checks too: shared)."""
+    counts, (expected_tokens, expected_logits), (tokens, logits) = static_cache_greedy_decode(arch, freezing)
+    assert counts["gqa_decode"] == 2
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 

@@ -11,7 +11,7 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import greedy, rewritten, tiny_gqa_model as tiny
+from graph_utils import greedy, rewritten, static_cache_greedy_decode, tiny_gqa_model as tiny
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
 
 B, S, H, NQ, NKV, D = 2, 3, 96, 4, 2, 16
@@ -230,17 +230,8 @@ def test_template_writes_an_fp8_block_cache_as_eager_does():
 
 @pytest.mark.parametrize("arch, freezing", [("llama", False), ("qwen2", False), ("llama", True)])
 def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch, freezing):
-    model = tiny(arch, torch.float32)
-    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
-    torch._dynamo.reset()
-    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 16)
-    cache = make_cache()
-    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
-                             backend="mla_inductor")
-    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
-        tokens, logits = greedy(model, cache, prompt, 16, compiled)
-    assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
+    counts, (expected_tokens, expected_logits), (tokens, logits) = static_cache_greedy_decode(arch, freezing)
+    assert counts["gqa_qkv"] == 2
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=1e-4, rtol=1e-4)
 
