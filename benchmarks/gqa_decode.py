@@ -1,0 +1,97 @@
+"""gqa_decode: grouped-query decode attention at the Llama-3-8B shape (32 query heads over 8 key/value
+heads of 128), B=8, 4096 cache rows, bf16, a [B, 1, 1, T] additive mask, in a stack of layers whose K and
+V caches (134 MB per layer) exceed the L3.
+
+The two spellings transformers compiles (`repeat_kv` before SDPA when there is a mask, `enable_gqa` when
+there is none), eager and compiled by stock torch.compile and by mla_inductor, against eager's packed
+form (what transformers runs eagerly) and the copy bandwidth timed in the same interleaved rounds.
+Prints medians; asserts nothing.
+
+    python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096]
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import mla_inductor
+from mla_inductor import benchmarking
+from mla_inductor.patterns.gqa_decode import repeat_kv
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+N_REP = HEADS // KV_HEADS
+SCALE = HEAD_DIM**-0.5
+
+
+def repeated(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=mask, scale=SCALE)
+
+
+def grouped(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
+
+
+def packed(q, k, v, mask):
+    batch = q.shape[0]
+    rows = q.view(batch, KV_HEADS, N_REP, HEAD_DIM)
+    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=SCALE).view(batch, HEADS, 1, HEAD_DIM)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args()
+    benchmarking.fresh_compiles()
+    dtype = torch.bfloat16
+    q = torch.randn(args.batch, HEADS, 1, HEAD_DIM).to(dtype)
+    caches = [
+        (torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype),
+         torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype))
+        for _ in range(args.layers)
+    ]
+    mask = torch.zeros(args.batch, 1, 1, args.context)
+    mask[..., args.context * 3 // 4:] = float("-inf")  # a StaticCache three quarters full
+    mask = mask.to(dtype)
+
+    def stack(fn):
+        return lambda: [fn(q, k, v, mask) for k, v in caches]
+
+    variants = {
+        "eager, packed": stack(packed),
+        "eager, repeat_kv": stack(repeated),
+        "eager, enable_gqa": stack(grouped),
+        "stock, repeat_kv": stack(torch.compile(repeated, dynamic=False)),
+        "stock, enable_gqa": stack(torch.compile(grouped, dynamic=False)),
+        "mla_inductor, repeat_kv": stack(torch.compile(repeated, backend="mla_inductor", dynamic=False)),
+        "mla_inductor, enable_gqa": stack(torch.compile(grouped, backend="mla_inductor", dynamic=False)),
+    }
+    copy, copy_bytes = benchmarking.copy_probe()
+    mla_inductor.reset_counts()
+    with torch.no_grad():
+        expected = variants["eager, packed"]()
+        error = max(
+            (a.float() - b.float()).abs().max().item()
+            for name, fn in variants.items()
+            for a, b in zip(fn(), expected)
+        )
+        fired = mla_inductor.fusion_counts()["gqa_decode"]
+        t = benchmarking.interleaved_medians({**variants, "copy": copy}, rounds=args.rounds, calls=2)
+    bandwidth = copy_bytes / t["copy"]
+    cache_bytes = 2 * args.layers * caches[0][0].numel() * caches[0][0].element_size()
+    print(f"\n## B={args.batch}, {HEADS} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows, "
+          f"bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB of K and V; fired {fired}/2; "
+          f"max |variant - eager packed| {error:.3g}; copy {bandwidth / 1e9:.1f} GB/s in the rounds")
+    print("| variant | ms | x eager packed | cache read GB/s | % of copy bandwidth |")
+    print("|---|---|---|---|---|")
+    for name in variants:
+        rate = cache_bytes / t[name]
+        print(f"| {name} | {t[name] * 1e3:.1f} | {t['eager, packed'] / t[name]:.2f} | {rate / 1e9:.1f} | "
+              f"{rate / bandwidth:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
