@@ -13,29 +13,13 @@ Prints medians; asserts nothing.
 import argparse
 
 import torch
-import torch.nn.functional as F
 
 import mla_inductor
 from mla_inductor import benchmarking
-from mla_inductor.patterns.gqa_decode import repeat_kv
+# The pattern's search functions are the model code (repeat_kv, enable_gqa); its replacement is eager's form.
+from mla_inductor.patterns.gqa_decode import grouped, packed, repeated
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-N_REP = HEADS // KV_HEADS
-SCALE = HEAD_DIM**-0.5
-
-
-def repeated(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=mask, scale=SCALE)
-
-
-def grouped(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SCALE, enable_gqa=True)
-
-
-def packed(q, k, v, mask):
-    batch = q.shape[0]
-    rows = q.view(batch, KV_HEADS, N_REP, HEAD_DIM)
-    return F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=SCALE).view(batch, HEADS, 1, HEAD_DIM)
 
 
 def main():
@@ -56,9 +40,10 @@ def main():
     mask = torch.zeros(args.batch, 1, 1, args.context)
     mask[..., args.context * 3 // 4:] = float("-inf")  # a StaticCache three quarters full
     mask = mask.to(dtype)
+    scale = HEAD_DIM**-0.5
 
     def stack(fn):
-        return lambda: [fn(q, k, v, mask) for k, v in caches]
+        return lambda: [fn(q, k, v, mask, scale) for k, v in caches]
 
     variants = {
         "eager, packed": stack(packed),

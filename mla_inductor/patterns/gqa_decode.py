@@ -17,18 +17,19 @@ The attention stays ATen's CPU flash attention: the rewrite removes the copies, 
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
+from torch.fx.operator_schemas import normalize_function
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import node_value, register_fusion
 
 FUSION = "gqa_decode"
 _SCALE = 0.0625  # a magic value: the literal becomes the argument
+_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def repeat_kv(x, n_rep):
@@ -40,8 +41,8 @@ def repeat_kv(x, n_rep):
 
 
 # --- search functions: the model code ------------------------------------------------------------
-# Each with and without a mask, and with and without an explicit scale (absent arguments trace as
-# absent keywords, so each combination is a pattern of its own).
+# The matcher fills a graph node's absent keywords from the op's defaults, so these also match
+# attention without a mask or an explicit scale: `mask` and `scale` then bind as None.
 
 
 def repeated(query, key, value, mask, scale):
@@ -51,35 +52,11 @@ def repeated(query, key, value, mask, scale):
     )
 
 
-def repeated_unmasked(query, key, value, scale):
-    return repeated(query, key, value, None, scale)
-
-
-def repeated_unscaled(query, key, value, mask):
-    return repeated(query, key, value, mask, None)
-
-
-def repeated_plain(query, key, value):
-    return repeated(query, key, value, None, None)
-
-
 def grouped(query, key, value, mask, scale):
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-def grouped_unmasked(query, key, value, scale):
-    return grouped(query, key, value, None, scale)
-
-
-def grouped_unscaled(query, key, value, mask):
-    return grouped(query, key, value, mask, None)
-
-
-def grouped_plain(query, key, value):
-    return grouped(query, key, value, None, None)
-
-
-# --- replacements ---------------------------------------------------------------------------------
+# --- replacement ----------------------------------------------------------------------------------
 
 
 def packed(query, key, value, mask, scale):
@@ -90,41 +67,17 @@ def packed(query, key, value, mask, scale):
     return out.reshape(batch, heads, 1, value.shape[-1])
 
 
-def packed_unmasked(query, key, value, scale):
-    return packed(query, key, value, None, scale)
-
-
-def packed_unscaled(query, key, value, mask):
-    return packed(query, key, value, mask, None)
-
-
-def packed_plain(query, key, value):
-    return packed(query, key, value, None, None)
-
-
 # --- preconditions --------------------------------------------------------------------------------
 
 
-def _unmatched_keyword(match: Match) -> Optional[str]:
-    """The matcher ignores keywords of a graph node that its pattern does not name, so the pattern
-    without a mask also matches attention with one: every keyword the form does not bind must hold
-    its default value."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    attention = next(node for node in match.nodes if node.target == flash)
-    bound = {"attn_mask": "mask", "scale": "scale"}
-    defaults = {"dropout_p": 0.0, "is_causal": False, "attn_mask": None, "scale": None}
-    for name, value in attention.kwargs.items():
-        if bound.get(name) not in match.kwargs and value != defaults.get(name, value):
-            return f"the attention has {name}={value}, which this form does not carry"
-    return None
-
-
 def check(match: Match) -> Optional[str]:
-    unmatched = _unmatched_keyword(match)
-    if unmatched:
-        return unmatched
+    # The pattern names only the mask and the scale: the matcher does not compare the other keywords.
+    attention = next(node for node in match.nodes if node.target == _FLASH_ATTENTION)
+    flags = normalize_function(attention.target, attention.args, attention.kwargs, normalize_to_only_use_kwargs=True)
+    if flags.kwargs["dropout_p"] != 0.0 or flags.kwargs["is_causal"]:
+        return "the attention has dropout or the causal flag (top-left aligned: it would differ per packed head)"
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
-    query, key, value, mask = kw["query"], kw["key"], kw["value"], kw.get("mask")
+    query, key, value, mask = kw["query"], kw["key"], kw["value"], kw["mask"]
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return f"query, key, value have {query.dim()}, {key.dim()}, {value.dim()} dims, not [B, heads, rows, d]"
     if not statically_known_true(query.shape[2] == 1):
@@ -142,33 +95,21 @@ def check(match: Match) -> Optional[str]:
 
 # --- registration ---------------------------------------------------------------------------------
 
-_FORMS = (
-    (repeated, grouped, packed),
-    (repeated_unmasked, grouped_unmasked, packed_unmasked),
-    (repeated_unscaled, grouped_unscaled, packed_unscaled),
-    (repeated_plain, grouped_plain, packed_plain),
-)
 
-
-def _example_inputs(search_fn) -> list:
-    """Small inputs with all sizes distinct (3 key/value heads of 2 query heads each), for the
-    arguments `search_fn` takes."""
+def _example_inputs() -> list:
+    """Small inputs with all sizes distinct (3 key/value heads of 2 query heads each)."""
     batch, kv_heads, n_rep, rows, head_dim = 2, 3, 2, 7, 5
-    inputs = {
-        "query": torch.empty(batch, kv_heads * n_rep, 1, head_dim),
-        "key": torch.empty(batch, kv_heads, rows, head_dim),
-        "value": torch.empty(batch, kv_heads, rows, head_dim),
+    return [
+        torch.empty(batch, kv_heads * n_rep, 1, head_dim),
+        torch.empty(batch, kv_heads, rows, head_dim),
+        torch.empty(batch, kv_heads, rows, head_dim),
         # A float mask: transformers builds an additive one, and a bool mask's conversion to it traces
         # as a `where` in front of the pattern, which then binds as the mask.
-        "mask": torch.empty(batch, 1, 1, rows),
-        "scale": _SCALE,
-    }
-    return [inputs[name] for name in inspect.signature(search_fn).parameters]
+        torch.empty(batch, 1, 1, rows),
+        _SCALE,
+    ]
 
 
 def register() -> None:
-    for repeated_fn, grouped_fn, replace_fn in _FORMS:
-        for search_fn in (repeated_fn, grouped_fn):
-            register_fusion(
-                FUSION, search_fn, replace_fn, _example_inputs(search_fn), check, scalar_workaround={"scale": _SCALE}
-            )
+    for search_fn in (repeated, grouped):
+        register_fusion(FUSION, search_fn, packed, _example_inputs(), check, scalar_workaround={"scale": _SCALE})
