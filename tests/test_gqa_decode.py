@@ -1,5 +1,7 @@
-"""gqa_decode: grouped-query decode attention packed onto the key/value heads, on serving-style code and
-on transformers Llama / Qwen2."""
+"""gqa_decode: grouped-query decode attention packed onto the key/value heads: the op, its
+flash-decoding template, and the pattern on serving-style code and on transformers Llama / Qwen2."""
+
+import functools
 
 import expecttest
 import pytest
@@ -9,6 +11,7 @@ import transformers
 
 import mla_inductor
 from graph_utils import greedy, rewritten, static_cache_greedy_decode, tiny_gqa_model
+from torch._inductor.utils import run_and_get_code
 from mla_inductor.patterns.gqa_decode import repeat_kv
 
 BATCH, KV_HEADS, N_REP, ROWS, HEAD_DIM = 3, 2, 3, 37, 16
@@ -43,6 +46,100 @@ def every_form(q, k, v, visible):
         F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=SCALE, enable_gqa=True),
         F.scaled_dot_product_attention(q, k, v, scale=SCALE, enable_gqa=True),
     )
+
+
+def masked_fp64(q, k, v, mask, scale):
+    """An independent reference: fp64, the query heads of each key/value head against its rows; a
+    query that no row admits gets zeros."""
+    n_rep = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
+    admitted = scores.amax(-1, keepdim=True) > float("-inf")
+    probs = torch.where(admitted, scores, 0).softmax(-1) * admitted
+    return probs @ v
+
+
+# --- the op and its template --------------------------------------------------------------------------
+
+
+@functools.cache
+def compiled_op(dtype, mask_kind):
+    """One compile per dtype and mask kind, shared by the shape cases (dynamic batch and rows)."""
+    torch._dynamo.reset()
+    fn = lambda q, k, v, mask: torch.ops.mla.gqa_decode_attention(q, k, v, mask, 0.125)  # noqa: E731
+    return torch.compile(fn, backend="mla_inductor", dynamic=True)
+
+
+def op_inputs(dtype, batch, kv_heads, n_rep, rows, head_dim, v_head_dim, lengths, mask_kind, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, kv_heads * n_rep, 1, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, kv_heads, rows, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, rows, v_head_dim, generator=g).to(dtype)
+    visible = (torch.arange(rows) < torch.tensor(lengths)[:, None])[:, None, None, :]
+    mask = {
+        None: None,
+        "bool": visible,
+        "additive": torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")),
+    }[mask_kind]
+    return q, k, v, mask
+
+
+# (batch, kv_heads, n_rep, rows, head_dim, v_head_dim, lengths): rows around the 128-row blocks and the
+# splits, a request with one row and one with none, head dims off the 32-column chunks.
+OP_CASES = [
+    (1, 8, 4, 300, 128, 128, [300]),
+    (3, 2, 3, 129, 64, 32, [129, 1, 0]),
+    (2, 1, 5, 1000, 24, 24, [1000, 257]),
+    (4, 2, 2, 17, 128, 128, [17, 16, 15, 1]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "additive"])
+def test_template_matches_fp64_and_eager(dtype, mask_kind):
+    fn = compiled_op(dtype, mask_kind)
+    for batch, kv_heads, n_rep, rows, head_dim, v_head_dim, lengths in OP_CASES:
+        if mask_kind is None:
+            lengths = [rows] * batch
+        q, k, v, mask = op_inputs(dtype, batch, kv_heads, n_rep, rows, head_dim, v_head_dim, lengths, mask_kind)
+        ours, code = run_and_get_code(fn, q, k, v, mask) if (batch, rows) == (1, 300) else (fn(q, k, v, mask), None)
+        if code is not None and head_dim == 128:
+            assert "mi::attend_split" in code[0] and "torch.ops.mla" not in code[0], "the template did not serve"
+        eager = torch.ops.mla.gqa_decode_attention(q, k, v, mask, 0.125)
+        expected = masked_fp64(q, k, v, mask, 0.125)
+        torch.testing.assert_close(ours.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+        assert (ours.double() - expected).abs().max() <= 2 * (eager.double() - expected).abs().max() + 1e-6
+
+
+def test_template_never_reads_the_blocks_the_mask_excludes():
+    """A StaticCache's unfilled tail: NaN in the 128-row blocks past the admitted rows changes nothing."""
+    q, k, v, mask = op_inputs(torch.bfloat16, 2, 2, 4, 1000, 128, 128, [300, 129], "additive")
+    expected = compiled_op(torch.bfloat16, "additive")(q, k, v, mask)
+    k[0, :, 384:] = v[0, :, 384:] = float("nan")
+    k[1, :, 256:] = v[1, :, 256:] = float("nan")
+    torch.testing.assert_close(compiled_op(torch.bfloat16, "additive")(q, k, v, mask), expected, atol=0, rtol=0)
+
+
+def test_bad_input_names_the_argument():
+    q, k, v, mask = op_inputs(torch.float32, 2, 2, 2, 8, 16, 16, [8, 8], "bool")
+    op = torch.ops.mla.gqa_decode_attention
+    with pytest.raises(ValueError, match="query must be .batch, heads, 1, head_dim"):
+        op(q.expand(2, 4, 3, 16), k, v, mask)
+    with pytest.raises(ValueError, match="not a multiple of key's 3"):
+        op(q, k[:, :1].expand(2, 3, 8, 16), v, mask)
+    with pytest.raises(ValueError, match="value must be"):
+        op(q, k, v[:, :, :5], mask)
+    with pytest.raises(ValueError, match="key and value must be torch.float32"):
+        op(q, k.bfloat16(), v, mask)
+    with pytest.raises(ValueError, match="one mask for every head"):
+        op(q, k, v, mask.expand(2, 4, 1, 8))
+    with pytest.raises(ValueError, match="attn_mask must be bool or a float dtype"):
+        op(q, k, v, mask.int())
+
+
+# --- the pattern ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -119,8 +216,8 @@ def test_qwen2_dynamic_cache_decode_fires_as_the_cache_grows():
 
 class TestRewrite(expecttest.TestCase):
     def test_llama_decode_layer(self):
-        """The query viewed as [B, kv_heads, heads / kv_heads, d] attends over the cache as written
-        (index_put: StaticCache's update), with the model's [B, 1, 1, T] mask; no repeated copies."""
+        """The query attends over the cache as written (index_put: StaticCache's update), with the
+        model's [B, 1, 1, T] mask, in mla::gqa_decode_attention; no repeated copies."""
         model = tiny_gqa_model("llama", torch.bfloat16, layers=1)
         prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
         cache = transformers.StaticCache(config=model.config, max_cache_len=32)
@@ -130,9 +227,8 @@ class TestRewrite(expecttest.TestCase):
         graph = rewritten(step, torch.tensor([[3], [4]]), torch.full((2, 1), 6), stage="post_grad")
         assert "unsqueeze(index_put" not in graph  # repeat_kv of the updated cache
         lines = graph.splitlines()
-        at = next(i for i, line in enumerate(lines) if "scaled_dot_product" in line)
-        self.assertExpectedInline("\n".join(lines[at - 1 : at + 3]), """\
-reshape_default = reshape(permute_default, [2, 2, 2, 24])
-_scaled_dot_product_flash_attention_for_cpu_default = _scaled_dot_product_flash_attention_for_cpu(reshape_default, index_put, index_put_1, attn_mask=where, scale=0.2041241452319315)
-getitem_2 = <built-in function getitem>(_scaled_dot_product_flash_attention_for_cpu_default, 0)
-reshape_default_1 = reshape(getitem_2, [2, 4, 1, 24])""")
+        at = next(i for i, line in enumerate(lines) if "gqa_decode_attention" in line)
+        self.assertExpectedInline("\n".join(lines[at - 1 : at + 2]), """\
+where = where.self(expand, full_default_1, full_default)
+gqa_decode_attention_default = mla.gqa_decode_attention(permute_default, index_put, index_put_1, where, 0.2041241452319315)
+permute_6 = permute(gqa_decode_attention_default, [0, 2, 1, 3])""")

@@ -149,4 +149,4 @@ class FusedOpTemplate(CppTemplate):
         return out
 
 
-from . import gqa_qkv, mla_decode, q_b_absorb, qkv_a, rope  # noqa: E402,F401
+from . import gqa_decode, gqa_qkv, mla_decode, q_b_absorb, qkv_a, rope  # noqa: E402,F401

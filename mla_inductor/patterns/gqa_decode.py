@@ -11,8 +11,9 @@ compiled graphs, each written below as the model code it matches:
   the cache, every step) before the attention reads them;
 - SDPA with `enable_gqa=True` (transformers without a mask): ATen's CPU flash attention runs it about
   9x slower than the packed form on one query row (docs/gqa_decode.md).
-Both become SDPA of the packed query, which reads each key/value row once for all its query heads.
-The attention stays ATen's CPU flash attention: the rewrite removes the copies, not the kernel.
+Both become `mla::gqa_decode_attention` (ops/gqa_decode.py), which reads each key/value row once for
+all its query heads: a flash-decoding template that skips the blocks of rows the mask excludes (a
+StaticCache's unfilled tail), or, where the template cannot serve, SDPA of the packed query.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.operator_schemas import normalize_function
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..ops.gqa_decode import check_args
 from . import node_value, register_fusion
 
 FUSION = "gqa_decode"
@@ -59,12 +61,8 @@ def grouped(query, key, value, mask, scale):
 # --- replacement ----------------------------------------------------------------------------------
 
 
-def packed(query, key, value, mask, scale):
-    batch, heads, _, head_dim = query.shape
-    kv_heads = key.shape[1]
-    rows = query.reshape(batch, kv_heads, heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(rows, key, value, attn_mask=mask, scale=scale)
-    return out.reshape(batch, heads, 1, value.shape[-1])
+def fused(query, key, value, mask, scale):
+    return torch.ops.mla.gqa_decode_attention(query, key, value, mask, scale)
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -90,6 +88,10 @@ def check(match: Match) -> Optional[str]:
         shape = [1] * (4 - mask.dim()) + list(mask.shape)
         if mask.dim() > 4 or not all(statically_known_true(size == 1) for size in shape[1:3]):
             return f"mask {list(mask.shape)} differs between heads; packing needs one shared by them ([B, 1, 1, T])"
+    try:
+        check_args(query, key, value, mask)
+    except ValueError as error:
+        return str(error).removeprefix("mla::gqa_decode_attention: ")
     return None
 
 
@@ -112,4 +114,4 @@ def _example_inputs() -> list:
 
 def register() -> None:
     for search_fn in (repeated, grouped):
-        register_fusion(FUSION, search_fn, packed, _example_inputs(), check, scalar_workaround={"scale": _SCALE})
+        register_fusion(FUSION, search_fn, fused, _example_inputs(), check, scalar_workaround={"scale": _SCALE})

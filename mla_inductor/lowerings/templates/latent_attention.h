@@ -1,7 +1,9 @@
-// Flash decoding over a paged latent cache: micro-kernels for mla::latent_decode_attention.
+// Flash decoding over a paged cache: micro-kernels for mla::latent_decode_attention and
+// mla::gqa_decode_attention.
 //
-// A decode step reads every cache row once and dots it with all heads' queries (MQA in latent space:
-// K_j = c_kv_j | k_pe_j, V_j = c_kv_j, the same memory). A task owns one request and one contiguous
+// A decode step reads every cache row once and dots it with all heads' queries: MQA in latent space
+// (K_j = c_kv_j | k_pe_j, V_j = c_kv_j, the same memory), or one key/value head of grouped-query
+// attention with its group of query heads (V_j a row of its own cache). A task owns one request and one contiguous
 // split of its rows, walks them in blocks of kKvBlock rows, and keeps per head a running max m, a
 // running sum l and an unnormalised fp32 output o (online softmax). Splits are merged by their
 // log-sum-exp afterwards.
@@ -283,9 +285,11 @@ inline float exp_and_round(const float* row, int n, float max, P* prob) {
 }
 
 // One step of the online softmax over a block of n rows: s (scaled scores, [H, kKvBlock]) becomes the
-// probabilities p, and alpha[h] the factor that rescales the earlier o and l.
+// probabilities p, and alpha[h] the factor that rescales the earlier o and l. bias (nullptr: none) adds
+// a mask's per-row bias to every head's scores, after the softcap.
 template <typename P>
-inline void softmax_step(float* s, int H, int n, float softcap, SoftmaxState& st, float* alpha, P* p) {
+inline void softmax_step(float* s, int H, int n, float softcap, const float* bias, SoftmaxState& st, float* alpha,
+                         P* p) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int W = Vec::size();
   for (int h = 0; h < H; ++h) {
@@ -294,10 +298,9 @@ inline void softmax_step(float* s, int H, int n, float softcap, SoftmaxState& st
     for (int j = 0; j < n; j += W) {
       const int count = std::min(W, n - j);
       Vec x = Vec::loadu(row + j, count);
-      if (softcap > 0.f) {
-        x = Vec(softcap) * (x / Vec(softcap)).tanh();
-        x.store(row + j, count);
-      }
+      if (softcap > 0.f) x = Vec(softcap) * (x / Vec(softcap)).tanh();
+      if (bias != nullptr) x = x + Vec::loadu(bias + j, count);
+      if (softcap > 0.f || bias != nullptr) x.store(row + j, count);
       block_max = at::vec::maximum(block_max, Vec::set(Vec(-std::numeric_limits<float>::infinity()), x, count));
     }
     const float m_new = std::max(
@@ -342,31 +345,73 @@ struct BlockRows {
   }
 };
 
+// Where one request's rows live: row j is at offset j % block_size of block table[j / block_size] in
+// each cache. Its key is the key row (D1 columns, rows key_stride apart) followed, when D2 > 0, by the
+// rope row (D2 columns, rows D2 apart); its value is the value row (L columns), or, without a value
+// cache, the first L columns of the key row (MLA's latent rows).
+template <typename T, typename IndexT>
+struct RequestRows {
+  const T* key;
+  int64_t key_stride;
+  const T* rope;
+  const T* value;
+  int64_t value_stride;
+  int64_t block_size;
+  const IndexT* table;
+};
+
+// A per-row mask shared by the heads: a bool admits row j where true, a number adds to its scores.
+template <typename MaskT>
+inline float mask_bias(MaskT m) {
+  if constexpr (std::is_same_v<MaskT, bool>) {
+    return m ? 0.f : -std::numeric_limits<float>::infinity();
+  } else {
+    return static_cast<float>(m);
+  }
+}
+
+// attend_split's mask argument for attention without one.
+inline constexpr const bool* kNoMask = nullptr;
+
+// Whether the mask admits none of rows [0, n): such a block is skipped without reading its rows (a
+// StaticCache's unfilled tail). A finite bias only weighs a row down, so only -inf excludes it.
+template <typename MaskT>
+inline bool masks_all(const MaskT* mask, int n) {
+  for (int i = 0; i < n; ++i)
+    if (mask_bias(mask[i]) != -std::numeric_limits<float>::infinity()) return false;
+  return true;
+}
+
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
-// into st (m and l initialised by the caller). Row j's key is key_cache row j (D1 columns) followed, when
-// D2 > 0, by rope_cache row j (D2 columns); its value is the first L columns of the key_cache row.
-// `zero_row` pads an odd block, so that no row at or past the request's length is ever read.
-template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L>
-inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* rope_cache, int64_t block_size,
-                         const IndexT* table, int64_t j0, int64_t j1, float scale, float softcap, const T* zero_row,
-                         SoftmaxState& st) {
+// into st (m and l initialised by the caller; o not written if no row is admitted). mask (nullptr:
+// none) holds the request's per-row mask, indexed by row. `zero_row` pads an odd block, so that no row
+// at or past the request's length is ever read.
+template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L, typename MaskT = bool>
+inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& request, int64_t j0, int64_t j1,
+                         float scale, float softcap, const MaskT* mask, const T* zero_row, SoftmaxState& st) {
   constexpr bool kBf16 = use_bf16_kernels<T>(L);
   using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
   alignas(64) float s[H * kKvBlock];
   alignas(64) ProbT p[H * kKvBlock];
   float alpha[H];
-  BlockRows<T, IndexT> key{key_cache, D1}, rope{rope_cache, D2};
+  BlockRows<T, IndexT> key{request.key, request.key_stride}, rope{request.rope, D2},
+      value{request.value, request.value_stride};
+  const bool own_values = request.value != nullptr;
   auto gather = [&](int64_t j, int n) {
-    key.gather(block_size, table, j, n);
-    if constexpr (D2 > 0) rope.gather(block_size, table, j, n);
+    key.gather(request.block_size, request.table, j, n);
+    if constexpr (D2 > 0) rope.gather(request.block_size, request.table, j, n);
+    if (own_values) value.gather(request.block_size, request.table, j, n);
   };
+  bool first = true;  // o is written, not rescaled, by the first block that is not skipped
   gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
   for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kKvBlock, j1 - jb));
     key.advance(n, zero_row);
     if constexpr (D2 > 0) rope.advance(n, zero_row);
+    if (own_values) value.advance(n, zero_row);
     const int n_next = static_cast<int>(std::clamp<int64_t>(j1 - jb - n, 0, kKvBlock));
     gather(jb + n, n_next);
+    if (mask != nullptr && masks_all(mask + jb, n)) continue;
 
     // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
     for (int n0 = 0; n0 < n; n0 += kQkRows) {
@@ -408,27 +453,33 @@ inline void attend_split(const T* q, int64_t ldq, const T* key_cache, const T* r
       }
     }
 
-    softmax_step<ProbT>(s, H, n, softcap, st, alpha, p);
+    alignas(64) float bias[kKvBlock];
+    if (mask != nullptr) {
+      for (int i = 0; i < n; ++i) bias[i] = mask_bias(mask[jb + i]);
+    }
+    softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
 
     // o = alpha * o + p . V (o = p . V on the first block), heads in balanced tiles of at most kPvHeads.
+    const T* const* value_rows = own_values ? value.rows : key.rows;
     constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
     constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
     for (int h0 = 0; h0 < H; h0 += kTileHeads) {
-      const float* tile_alpha = jb == j0 ? nullptr : alpha + h0;
+      const float* tile_alpha = first ? nullptr : alpha + h0;
       dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
         if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
           for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, key.rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
+            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, value_rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
 #endif
         } else {
           constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
           for (int64_t c = 0; c < L; c += kChunk)
-            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, key.rows, n, c, std::min(kChunk, L - c), tile_alpha,
+            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, value_rows, n, c, std::min(kChunk, L - c), tile_alpha,
                                st.o + h0 * L, L);
         }
       });
     }
+    first = false;
   }
 }
 

@@ -1,0 +1,80 @@
+"""Lowering of mla::gqa_decode_attention to the flash-decoding template of mla_decode, one request per
+(batch row, key/value head)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch._inductor.virtualized import V
+
+from .. import config as mla_config
+from . import FusedOpTemplate, guard_ints, realize_input
+
+OP = torch.ops.mla.gqa_decode_attention.default
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class GqaDecodeAttentionTemplate(FusedOpTemplate):
+    template_file = "gqa_decode_attention.cpp.j2"
+    output = "OUT"
+
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float) -> None:
+        super().__init__("mla_gqa_decode_attention", inputs, layout)
+        self.dims = dims  # the compile-time sizes: G, D, DV
+        self.scale = scale
+
+    def headers(self) -> tuple[str, ...]:
+        return ("widen.h", "latent_attention.h")
+
+    def options(self, kernel) -> dict:
+        q, k, v, mask = (self.inputs[name] for name in ("Q", "K", "V", "MASK"))
+        strides = dict(q_stride_b=kernel.stride(q, 0), q_stride_h=kernel.stride(q, 1))
+        for prefix, t in (("k", k), ("v", v)):
+            strides.update({f"{prefix}_stride_b": kernel.stride(t, 0), f"{prefix}_stride_h": kernel.stride(t, 1),
+                            f"{prefix}_stride_t": kernel.stride(t, 2)})
+        if mask is not None:
+            batched = len(mask.get_size()) == 4 and not V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
+            strides["mask_stride_b"] = kernel.stride(mask, 0) if batched else 0
+            strides["mask_origin"] = [0] * len(mask.get_size())
+        return dict(
+            **self.dims,
+            **strides,
+            BATCH=kernel.size(q, 0),
+            KV_HEADS=kernel.size(k, 1),
+            ROWS=kernel.size(k, 2),
+            scale=f"{float(self.scale)!r}f",
+        )
+
+
+def _template_can_serve(query, key, value, attn_mask) -> bool:
+    if not mla_config.active().cpp_templates or query.get_device().type != "cpu":
+        return False
+    dtype = query.get_dtype()
+    if dtype not in SUPPORTED_DTYPES or key.get_dtype() != dtype or value.get_dtype() != dtype:
+        return False
+    return attn_mask is None or attn_mask.get_dtype() == torch.bool or attn_mask.get_dtype() in SUPPORTED_DTYPES
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_gqa_decode_attention(query, key, value, attn_mask=None, scale=None):
+    # Heads per group and row widths shape the kernel's tiles and scratch: compile-time constants. (The
+    # heads are guarded one by one: guard_int of a symbolic floor division fails on its value range.)
+    sizes = _template_can_serve(query, key, value, attn_mask) and guard_ints(
+        dict(heads=query.get_size()[1], kv_heads=key.get_size()[1], D=query.get_size()[3], DV=value.get_size()[3])
+    )
+    if not sizes:
+        return L.fallback_handler(OP, add_to_fallback_set=False)(query, key, value, attn_mask, scale)
+    dims = dict(G=sizes["heads"] // sizes["kv_heads"], D=sizes["D"], DV=sizes["DV"])
+    inputs = {
+        "Q": realize_input(query),
+        "K": realize_input(key),
+        "V": realize_input(value),
+        "MASK": realize_input(attn_mask),
+    }
+    layout = ir.FixedLayout(query.get_device(), query.get_dtype(),
+                            [query.get_size()[0], query.get_size()[1], 1, dims["DV"]])
+    scale = 1 / math.sqrt(dims["D"]) if scale is None else scale
+    return GqaDecodeAttentionTemplate(inputs, layout, dims, scale).select()
