@@ -3,10 +3,10 @@
 //
 // A decode step reads every cache row once and dots it with all heads' queries: MQA in latent space
 // (K_j = c_kv_j | k_pe_j, V_j = c_kv_j, the same memory), or one key/value head of grouped-query
-// attention with its group of query heads (V_j a row of its own cache). A task owns one request and one contiguous
-// split of its rows, walks them in blocks of kKvBlock rows, and keeps per head a running max m, a
-// running sum l and an unnormalised fp32 output o (online softmax). Splits are merged by their
-// log-sum-exp afterwards.
+// attention with its group of query heads (V_j a row of its own cache). A task owns one request and
+// one contiguous split of its rows, walks them in blocks of kKvBlock rows, and keeps per head a running
+// max m, a running sum l and an unnormalised fp32 output o (online softmax). Splits are merged by
+// their log-sum-exp afterwards.
 //
 // With AVX512-BF16 both products run on _mm512_dpbf16_ps:
 //   scores = q . K_j^T  -- NT form, heads x rows register tiles, reduced across lanes per tile;
