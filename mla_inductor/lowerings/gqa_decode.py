@@ -14,7 +14,6 @@ from .. import config as mla_config
 from . import FusedOpTemplate, guard_ints, realize_input
 
 OP = torch.ops.mla.gqa_decode_attention.default
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class GqaDecodeAttentionTemplate(FusedOpTemplate):
@@ -49,20 +48,13 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
         )
 
 
-def _template_can_serve(query, key, value, attn_mask) -> bool:
-    if not mla_config.active().cpp_templates or query.get_device().type != "cpu":
-        return False
-    dtype = query.get_dtype()
-    if dtype not in SUPPORTED_DTYPES or key.get_dtype() != dtype or value.get_dtype() != dtype:
-        return False
-    return attn_mask is None or attn_mask.get_dtype() == torch.bool or attn_mask.get_dtype() in SUPPORTED_DTYPES
-
-
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_gqa_decode_attention(query, key, value, attn_mask=None, scale=None):
-    # Heads per group and row widths shape the kernel's tiles and scratch: compile-time constants. (The
-    # heads are guarded one by one: guard_int of a symbolic floor division fails on its value range.)
-    sizes = _template_can_serve(query, key, value, attn_mask) and guard_ints(
+    # The op's fake implementation has checked shapes and dtypes (ops/gqa_decode.py::check_args). Heads
+    # per group and row widths shape the kernel's tiles and scratch: compile-time constants. (The heads
+    # are guarded one by one: guard_int of a symbolic floor division fails on its value range.)
+    serves = mla_config.active().cpp_templates and query.get_device().type == "cpu"
+    sizes = serves and guard_ints(
         dict(heads=query.get_size()[1], kv_heads=key.get_size()[1], D=query.get_size()[3], DV=value.get_size()[3])
     )
     if not sizes:

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -252,6 +253,31 @@ struct SoftmaxState {
   float* o;  // [H, L], written by the first block; not written if the task has no rows (l = 0: the merge skips it)
 };
 
+// Splits per request: enough tasks to keep every thread busy, but no split shorter than two blocks
+// (the merge and the per-task scratch are not free).
+inline int64_t kv_splits(int64_t requests, int64_t max_len, int threads) {
+  constexpr int64_t kMinSplitRows = 2 * kKvBlock;
+  return std::max<int64_t>(
+      1, std::min<int64_t>((4 * threads + requests - 1) / requests, (max_len + kMinSplitRows - 1) / kMinSplitRows));
+}
+
+// Rows [j0, j1) of split `split` of a request's len rows: whole blocks, the last split takes the rest.
+inline std::pair<int64_t, int64_t> split_rows(int64_t len, int64_t splits, int64_t split) {
+  const int64_t per_split = (len + splits - 1) / splits;
+  const int64_t chunk = (per_split + kKvBlock - 1) / kKvBlock * kKvBlock;
+  const int64_t j0 = std::min(len, split * chunk);
+  return {j0, std::min(len, j0 + chunk)};
+}
+
+// The online-softmax state of a task over its scratch (m [H], l [H], o [H, L]), before any row.
+template <int H>
+inline SoftmaxState start_task(float* state) {
+  SoftmaxState st{state, state + H, state + 2 * H};
+  std::fill(st.m, st.m + H, -std::numeric_limits<float>::infinity());
+  std::fill(st.l, st.l + H, 0.f);
+  return st;
+}
+
 // Whether the dpbf16 kernels serve this dtype and latent width (P.V works in 32-column chunks).
 template <typename T>
 constexpr bool use_bf16_kernels(int64_t L) {
@@ -382,12 +408,11 @@ __attribute__((always_inline)) inline void prefetch_rows_to_l2(const T* const* r
 // attend_split's mask argument for attention without one.
 inline constexpr const bool* kNoMask = nullptr;
 
-// Whether the mask admits none of rows [0, n): such a block is skipped without reading its rows (a
+// Whether every bias of rows [0, n) is -inf: such a block is skipped without reading its rows (a
 // StaticCache's unfilled tail). A finite bias only weighs a row down, so only -inf excludes it.
-template <typename MaskT>
-inline bool masks_all(const MaskT* mask, int n) {
+inline bool excludes_all(const float* bias, int n) {
   for (int i = 0; i < n; ++i)
-    if (mask_bias(mask[i]) != -std::numeric_limits<float>::infinity()) return false;
+    if (bias[i] != -std::numeric_limits<float>::infinity()) return false;
   return true;
 }
 
@@ -420,7 +445,11 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
     if (own_values) value.advance(n, zero_row);
     const int n_next = static_cast<int>(std::clamp<int64_t>(j1 - jb - n, 0, kKvBlock));
     gather(jb + n, n_next);
-    if (mask != nullptr && masks_all(mask + jb, n)) continue;
+    alignas(64) float bias[kKvBlock];
+    if (mask != nullptr) {
+      for (int i = 0; i < n; ++i) bias[i] = mask_bias(mask[jb + i]);
+      if (excludes_all(bias, n)) continue;
+    }
 
     // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
     for (int n0 = 0; n0 < n; n0 += kQkRows) {
@@ -471,10 +500,6 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
       }
     }
 
-    alignas(64) float bias[kKvBlock];
-    if (mask != nullptr) {
-      for (int i = 0; i < n; ++i) bias[i] = mask_bias(mask[jb + i]);
-    }
     softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
 
     // o = alpha * o + p . V (o = p . V on the first block), heads in balanced tiles of at most kPvHeads.
