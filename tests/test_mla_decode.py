@@ -112,6 +112,52 @@ def test_softcap_and_empty_requests():
     assert (empty[0] == 0).all() and (empty[1] != 0).any()
 
 
+def masked_reference(q, dense, seq_lens, scale, bias):
+    """Per request: fp64 softmax over its rows with an additive bias [batch, rows]; zeros where no row is
+    admitted."""
+    out = torch.zeros(q.shape[0], q.shape[1], LORA, dtype=torch.float64)
+    for b, length in enumerate(seq_lens.tolist()):
+        k = dense[b, :length].double()
+        scores = q[b].double() @ k.T * scale + bias[b, :length].double()
+        if length and torch.isfinite(scores).any():
+            out[b] = torch.softmax(scores, dim=-1) @ k[:, :LORA]
+    return out
+
+
+def mask_case(dtype, shared=False):
+    """A paged case with a mask per request: scattered holes, a request wholly excluded, and a tail past
+    the last admitted row that holds NaN (it must never be read)."""
+    q, cache, block_tables, lens, dense = paged_case(4, 6, [300, 140, 64, 1], 16, dtype, nan_beyond=True)
+    g = torch.Generator().manual_seed(3)
+    admit = torch.rand(4, block_tables.shape[1] * 16, generator=g) > 0.25
+    admit[0, 200:] = False  # rows 200..299 are NaN in the cache below: past the last admitted row
+    admit[2] = False
+    admit[:, 0] = admit[:, 0] | torch.tensor([True, True, False, True])
+    rows = cache.view(-1, LORA + ROPE)
+    pos = torch.arange(200, 300)
+    rows[block_tables[0, pos // 16] * 16 + pos % 16] = float("nan")
+    if shared:
+        admit = admit[:1].expand(4, -1)
+    bias = torch.zeros(admit.shape).masked_fill(~admit, float("-inf"))
+    return q, cache, block_tables, lens, dense, (admit[:1] if shared else admit), bias
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "shared bool"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mask_admits_rows_and_the_tail_past_the_last_admitted_row_is_never_read(kind, dtype):
+    q, cache, block_tables, lens, dense, admit, bias = mask_case(dtype, shared=kind == "shared bool")
+    expected = masked_reference(q, torch.nan_to_num(dense), lens, 0.05, bias)
+    mask = admit if "bool" in kind else (bias + torch.randn(bias.shape) * 0.5).to(dtype)
+    if kind == "additive":  # finite biases weigh rows too
+        expected = masked_reference(q, torch.nan_to_num(dense), lens, 0.05, mask.float())
+    out = op(q, cache, block_tables, lens, LORA, 0.05, attn_mask=mask)
+    compiled, _ = run_template(compiled_op(scale=0.05), q, cache, block_tables, lens, attn_mask=mask)
+    for actual in (out, compiled):
+        assert torch.isfinite(actual).all(), "a NaN row past the last admitted one was read"
+        assert kind == "shared bool" or (actual[2] == 0).all(), "a request the mask wholly excludes is not zeros"
+        assert_matches(actual, expected, dtype)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -126,6 +172,8 @@ def test_softcap_and_empty_requests():
         (dict(new_rows=torch.zeros(2, 576), slots=torch.tensor([0, 10**6])), "slots must be in"),
         (dict(w_vc=torch.zeros(3, 128, 500)), r"w_vc must be torch.float32\[3, v_head_dim, 512\]"),
         (dict(softcap=-1.0), "softcap must be >= 0"),
+        (dict(attn_mask=torch.ones(2, 11, dtype=torch.bool)), r"attn_mask must be \[2 or 1, 12\]"),
+        (dict(attn_mask=torch.ones(2, 12, dtype=torch.int32)), "attn_mask must be bool or a float dtype"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(change, message):
@@ -398,18 +446,24 @@ def test_transformers_v2_dynamic_cache_bf16_fires_in_static_and_dynamic_length_g
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
 
 
-def test_transformers_padded_batch_is_left_alone_and_explained():
-    """A left-padded batch's mask is no longer a prefix of the cache: the rewrite must not fire."""
-    _, model, prompt = hf_case("v3", torch.float32, batch=2)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
-    attention_mask = torch.ones(2, prompt.shape[1] + 1, dtype=torch.long)
-    attention_mask[0, :3] = 0
+def test_transformers_generate_with_a_static_cache_and_a_padded_batch_fires_and_equals_eager():
+    """What users run: `generate` with a StaticCache, whose 4-D mask arrives as an input of the compiled
+    step, on a left-padded batch (a mask that is no prefix of the cache), fp32: same tokens as eager."""
+    _, model, _ = hf_case("v3", torch.float32, batch=2)
+    prompt = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1, :4] = 0
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                  cache_implementation="static")
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
     with torch.no_grad():
-        model(input_ids=prompt, past_key_values=cache, attention_mask=attention_mask[:, :-1])
-        ids, position = torch.tensor([[3], [4]]), torch.full((2, 1), prompt.shape[1])
-        result = mla_inductor.explain(
-            lambda: model(input_ids=ids, past_key_values=cache, position_ids=position, attention_mask=attention_mask),
-            verbose=False,
-        )
-    assert not [e for e in result.fired if e.fusion == "mla_decode"]
-    assert any("not the causal prefix" in (e.reason or "") for e in result.rejected)
+        expected = model.generate(prompt, **kwargs)
+        forward = model.forward
+        model.forward = torch.compile(forward, backend="mla_inductor")
+        try:
+            tokens = model.generate(prompt, **kwargs)
+        finally:
+            model.forward = forward
+    assert mla_inductor.fusion_counts()["mla_decode"] == model.config.num_hidden_layers  # the decode graph
+    assert torch.equal(tokens, expected)

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
+from torch._inductor.virtualized import V
 
 from .. import config as mla_config
 from . import FusedOpTemplate, guard_ints, realize_input
@@ -29,7 +30,8 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
         return ("widen.h", "latent_attention.h")
 
     def options(self, kernel) -> dict:
-        q, kv, tables, seq_lens, w_vc = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC"))
+        q, kv, tables, seq_lens, w_vc, mask = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC", "MASK"))
+        shared_mask = mask is not None and V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
         return dict(
             **self.dims,
             BLOCK_SIZE=kernel.size(kv, 1),
@@ -42,6 +44,7 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
             seq_len_stride=kernel.stride(seq_lens, 0),
             w_stride_h=kernel.stride(w_vc, 0) if w_vc is not None else None,
             w_stride_n=kernel.stride(w_vc, 1) if w_vc is not None else None,
+            mask_stride_b=0 if mask is None or shared_mask else kernel.stride(mask, 0),
             scale=f"{float(self.scale)!r}f",
             softcap=f"{float(self.softcap)!r}f",
         )
@@ -78,9 +81,10 @@ def _write_new_rows(kv_cache, new_rows, slots):
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0,
-                                  new_rows=None, slots=None, w_vc=None, scale_tensor=None, rope_cache=None):
+                                  new_rows=None, slots=None, w_vc=None, scale_tensor=None, rope_cache=None,
+                                  attn_mask=None):
     args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor,
-            rope_cache)
+            rope_cache, attn_mask)
     dims = _template_can_serve(q, kv_cache, block_tables, seq_lens) and _compile_time_dims(
         q, kv_cache, rope_cache, w_vc, kv_lora_rank
     )
@@ -97,6 +101,7 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
         "SL": realize_input(seq_lens),
         "WVC": realize_input(w_vc),
         "SCALE": realize_input(scale_tensor),
+        "MASK": realize_input(attn_mask),
     }
     layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [q.get_size()[0], dims["H"], dims["OUT_DIM"]])
     return LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap).select()

@@ -13,6 +13,10 @@ size of 1 is SGLang's per-token index layout, 16 vLLM's. When `new_rows` and `sl
 the op first writes new_rows[b] into flat row slots[b] of the cache (the new token's latent row), so
 the caller's separate cache write can be fused away. Rows at or past seq_lens[b] are never read.
 A 0-d `scale_tensor` overrides `scale` (what a float module attribute becomes under dynamic=True).
+`attn_mask` [batch or 1, max_blocks * block_size] masks row j of request b by attn_mask[b, j]: a bool
+admits the row where true, a float is added to its scores (after the softcap). A request whose rows
+the mask all excludes, like one of length 0, returns zeros. Rows past the last one the mask admits are
+never read; rows it excludes before that are (as by SDPA), so they must hold finite values.
 
 The eager implementation is the reference: fp32 scores, softmax and accumulation, one rounding of
 the output (after the W_vc de-absorption when present).
@@ -35,7 +39,7 @@ def _fail(message: str) -> None:
 
 
 def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc,
-               scale_tensor=None, rope_cache=None) -> None:
+               scale_tensor=None, rope_cache=None, attn_mask=None) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         _fail(f"q has dtype {q.dtype}; supported: bfloat16, float16, float32")
     if q.dim() != 3:
@@ -84,6 +88,14 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
             _fail(
                 f"w_vc must be {q.dtype}[{q.shape[1]}, v_head_dim, {kv_lora_rank}], got {w_vc.dtype}{list(w_vc.shape)}"
             )
+    if attn_mask is not None:
+        check_cpu_tensors(_fail, dict(attn_mask=attn_mask))
+        rows = block_tables.shape[1] * kv_cache.shape[1]
+        if attn_mask.dim() != 2 or attn_mask.shape[0] not in (1, batch) or attn_mask.shape[1] != rows:
+            _fail(f"attn_mask must be [{batch} or 1, {rows}] (block_tables columns x block_size), "
+                  f"got {list(attn_mask.shape)}")
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
+            _fail(f"attn_mask must be bool or a float dtype, got {attn_mask.dtype}")
 
 
 def _check_indices(kv_cache, block_tables, seq_lens, slots) -> None:
@@ -114,9 +126,10 @@ def latent_decode_attention(
     w_vc: Optional[Tensor] = None,
     scale_tensor: Optional[Tensor] = None,
     rope_cache: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
 ) -> Tensor:
     check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
-               rope_cache)
+               rope_cache, attn_mask)
     _check_indices(kv_cache, block_tables, seq_lens, slots)
     if scale_tensor is not None:
         scale = float(scale_tensor)
@@ -129,6 +142,13 @@ def latent_decode_attention(
     out_dim = kv_lora_rank if w_vc is None else w_vc.shape[1]
     out = q.new_zeros(batch, heads, out_dim)  # a request with no rows attends to nothing: zeros
     for b, length in enumerate(seq_lens.tolist()):
+        if attn_mask is not None:
+            bias = attn_mask[b % attn_mask.shape[0], :length]
+            if bias.dtype == torch.bool:
+                bias = torch.zeros(length).masked_fill(~bias, float("-inf"))
+            admitted = torch.nonzero(bias != float("-inf"))
+            length = int(admitted[-1]) + 1 if admitted.numel() else 0  # rows past the last admitted one: unread
+            bias = bias[:length].float()
         if length == 0:
             continue
         positions = torch.arange(length)
@@ -138,6 +158,8 @@ def latent_decode_attention(
         scores = (q[b].float() @ keys.T) * scale  # [heads, length]
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
+        if attn_mask is not None:
+            scores = scores + bias
         latent = torch.softmax(scores, dim=-1) @ keys[:, :kv_lora_rank]  # [heads, kv_lora_rank]
         if w_vc is not None:
             latent = torch.bmm(latent.unsqueeze(1), w_vc.float().transpose(1, 2)).squeeze(1)
@@ -147,9 +169,9 @@ def latent_decode_attention(
 
 @latent_decode_attention.register_fake
 def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0, new_rows=None, slots=None, w_vc=None,
-      scale_tensor=None, rope_cache=None):
+      scale_tensor=None, rope_cache=None, attn_mask=None):
     check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
-               rope_cache)
+               rope_cache, attn_mask)
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank if w_vc is None else w_vc.shape[1])
 
 
@@ -163,14 +185,15 @@ def latent_decode_attention_dense(
     w_vc: Optional[Tensor] = None,
     scale_tensor: Optional[Tensor] = None,
     rope: Optional[Tensor] = None,
+    attn_mask: Optional[Tensor] = None,
 ) -> Tensor:
     """The same attention over a dense cache kv [batch, max_len, kv_lora_rank + rope] (or kv_lora_rank
     columns, with the k_pe rows in `rope` [batch, max_len, rope]): one block per request, viewed as a
-    paged cache without a copy."""
+    paged cache without a copy. attn_mask is [batch or 1, max_len]."""
     if kv.dim() != 3 or kv.shape[0] != q.shape[0]:
         _fail(f"kv must be [{q.shape[0]}, max_len, columns] for the dense form, got {list(kv.shape)}")
     block_tables = torch.arange(kv.shape[0], device=kv.device).view(-1, 1)
     return torch.ops.mla.latent_decode_attention(
         q, kv, block_tables, seq_lens, kv_lora_rank, scale, softcap,
-        w_vc=w_vc, scale_tensor=scale_tensor, rope_cache=rope,
+        w_vc=w_vc, scale_tensor=scale_tensor, rope_cache=rope, attn_mask=attn_mask,
     )

@@ -84,13 +84,16 @@ def hf_decode_unmasked(c_kv, k_pe, kv_b_weight, q_nope, q_pe, sqrt_scale):
     return hf_decode(c_kv, k_pe, kv_b_weight, q_nope, q_pe, None, sqrt_scale)
 
 
-def _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, lengths, sqrt_scale):
+def _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, attn_mask, sqrt_scale):
     batch, heads, _, nope = q_nope.shape
     kv_lora_rank, rope = c_kv.shape[-1], k_pe.shape[-1]
     w = kv_b_weight.view(heads, -1, kv_lora_rank)
     w_kc, w_vc = w[:, :nope], w[:, nope:]  # [H, nope, L], [H, v_head_dim, L]
     q_latent = torch.bmm(q_nope[:, :, 0].transpose(0, 1), w_kc).transpose(0, 1)  # [B, H, L]
     query = torch.cat([q_latent, q_pe[:, :, 0]], dim=-1)
+    # Every cache row is a candidate; the mask (if any) says which count. The op reads no row past the
+    # last one the mask admits, so a StaticCache's unfilled tail costs nothing.
+    lengths = torch.ones(batch, dtype=torch.int64, device=c_kv.device) * c_kv.shape[2]
     out = latent_decode_attention_dense(
         query,
         c_kv.view(batch, -1, kv_lora_rank),
@@ -99,19 +102,17 @@ def _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, lengths, sqrt_scale):
         sqrt_scale * sqrt_scale,
         w_vc=w_vc,
         rope=k_pe.view(batch, -1, rope),
+        attn_mask=attn_mask,
     )
     return out.unsqueeze(2)
 
 
 def hf_decode_replacement(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask, sqrt_scale):
-    # check_hf admits only causal-prefix masks: the visible rows of request b are its first lengths[b].
-    lengths = mask[:, 0, -1].sum(-1).expand(q_nope.shape[0])
-    return _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, lengths, sqrt_scale)
+    return _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask[:, 0, 0], sqrt_scale)
 
 
 def hf_decode_unmasked_replacement(c_kv, k_pe, kv_b_weight, q_nope, q_pe, sqrt_scale):
-    lengths = torch.ones(q_nope.shape[0], dtype=torch.int64, device=c_kv.device) * c_kv.shape[2]
-    return _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, lengths, sqrt_scale)
+    return _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, None, sqrt_scale)
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -160,28 +161,6 @@ def check_paged(match: Match) -> Optional[str]:
     return _paged_literal_mismatch(match, w_vc.shape[2])
 
 
-def _causal_prefix_mask(mask: torch.fx.Node, rows: int) -> Optional[str]:
-    """None if `mask` is transformers' causal decode mask `expand(kv_idx <= q_idx)` over `rows` cache
-    rows, i.e. a prefix of the cache per query row; else why not (padding, windows, other masks)."""
-    aten = torch.ops.aten
-    node = mask
-    while node.target in (aten.expand.default, aten.unsqueeze.default):
-        node = node.args[0]
-    if node.target != aten.le.Tensor:
-        return f"the mask is {node.target}, not the causal prefix kv_idx <= q_idx (padding or window?)"
-    kv_idx = node.args[0]
-    while isinstance(kv_idx, torch.fx.Node) and kv_idx.target in (aten.unsqueeze.default, aten.add.Tensor):
-        if kv_idx.target == aten.add.Tensor and kv_idx.args[1] != 0:
-            return f"the mask's key index is offset by {kv_idx.args[1]}"
-        kv_idx = kv_idx.args[0]
-    if not isinstance(kv_idx, torch.fx.Node) or kv_idx.target != torch.ops.prims.iota.default:
-        return "the mask's key index is not arange(rows)"
-    length = kv_idx.meta["val"].shape[0]  # a SymInt when the cache length is dynamic
-    if not statically_known_true(length == rows) or (kv_idx.kwargs.get("start"), kv_idx.kwargs.get("step")) != (0, 1):
-        return f"the mask's key index is not arange({rows})"
-    return None
-
-
 def _hf_literal_mismatch(match: Match, nope: int, v_head_dim: int, heads: int) -> Optional[str]:
     """What the strict re-trace would compare, for the size-agnostic (dynamic cache length) form: how
     kv_b_proj's output is split into heads, k_nope and v, and how the key is assembled."""
@@ -227,9 +206,14 @@ def check_hf(match: Match) -> Optional[str]:
     if mismatch or "mask" not in kw:
         return mismatch
     mask = kw["mask"]
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1:
-        return f"mask is {mask.dtype}{list(mask.shape)}, expected a bool [batch, 1, 1, rows] mask"
-    return _causal_prefix_mask(match.kwargs["mask"], c_kv.shape[2])
+    shape = list(mask.shape)
+    if mask.dim() != 4 or not (shape[0] == 1 or shape[0] == q_nope.shape[0]) or shape[1:3] != [1, 1]:
+        return f"mask is {shape}, expected one mask for all heads, [batch or 1, 1, 1, rows]"
+    if not statically_known_true(shape[3] == c_kv.shape[2]):
+        return f"the mask covers {shape[3]} rows, the cache {c_kv.shape[2]}"
+    if mask.dtype != torch.bool and not mask.dtype.is_floating_point:
+        return f"mask is {mask.dtype}, expected bool or additive floats"
+    return None
 
 
 # --- registration ---------------------------------------------------------------------------------

@@ -408,6 +408,13 @@ __attribute__((always_inline)) inline void prefetch_rows_to_l2(const T* const* r
 // attend_split's mask argument for attention without one.
 inline constexpr const bool* kNoMask = nullptr;
 
+// One past the last of rows [0, len) that the mask does not exclude (0: it excludes them all).
+template <typename MaskT>
+inline int64_t admitted_end(const MaskT* mask, int64_t len) {
+  while (len > 0 && mask_bias(mask[len - 1]) == -std::numeric_limits<float>::infinity()) --len;
+  return len;
+}
+
 // Whether every bias of rows [0, n) is -inf: such a block is skipped without reading its rows (a
 // StaticCache's unfilled tail). A finite bias only weighs a row down, so only -inf excludes it.
 inline bool excludes_all(const float* bias, int n) {
