@@ -3,8 +3,8 @@
 1. The serving-style graph (paged gather, masked softmax, W_vc bmm; patterns/mla_decode.py) at B=4,
    22 heads (deepseek-v3-tp22), context 4096, bf16, in a stack of layers whose caches exceed the L3:
    stock torch.compile against mla_inductor on the same graph, and the fraction of the roofline, the
-   larger of (cache bytes / copy bandwidth) and (QK + PV FLOPs / oneDNN bf16 GEMM throughput), both
-   timed as variants in the same interleaved rounds.
+   larger of (cache bytes / copy bandwidth) and (QK + PV FLOPs / the best oneDNN GEMM throughput of this
+   CPU: bf16 where it is native, else fp32), both timed as variants in the same interleaved rounds.
 2. transformers DeepseekV3 at a deepseek-v2-lite-like size (hidden 2048, 16 heads, q LoRA 1536),
    2 layers, StaticCache of 4096 rows with 1024 filled, bf16, B=1: one decode step, eager, stock
    compile (plain and frozen) and mla_inductor (plain and frozen).
@@ -20,7 +20,7 @@ import torch
 import transformers
 
 import mla_inductor
-from mla_inductor import benchmarking
+from mla_inductor import benchmarking, isa
 from mla_inductor.models import get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.patterns.mla_decode import paged_absorbed_decode
@@ -48,7 +48,8 @@ def bench_kernel(args):
     # The roofline's two denominators are timed as two more variants in the same interleaved rounds:
     # this machine's copy bandwidth and GEMM throughput move by 20-50% from minute to minute.
     copy, copy_bytes = benchmarking.copy_probe()
-    gemm, gemm_flops = benchmarking.gemm_probe()
+    gemm, gemm_flops = benchmarking.gemm_probe(dtype)
+    gemm_dtype = str(isa.roof_gemm_dtype(dtype)).removeprefix("torch.")
     with torch.no_grad():
         outs = {name: fn(q, caches, block_tables, seq_lens, w_vcs) for name, fn in variants.items()}
         fired = mla_inductor.fusion_counts()["mla_decode"]
@@ -63,7 +64,7 @@ def bench_kernel(args):
     print(f"\n## kernel: B={batch}, {heads} heads, context {args.context}, block size {args.block_size}, bf16, "
           f"{args.layers} layers x {cache_bytes / 2**20:.1f} MiB of cache; fired {fired}/{args.layers}; "
           f"max |mla - stock| {error:.3g}")
-    print(f"in the rounds: copy {bandwidth / 1e9:.1f} GB/s, oneDNN bf16 GEMM {throughput / 1e9:.0f} GFLOP/s; "
+    print(f"in the rounds: copy {bandwidth / 1e9:.1f} GB/s, oneDNN {gemm_dtype} GEMM {throughput / 1e9:.0f} GFLOP/s; "
           f"roofline per layer {roofline * 1e3:.2f} ms = max({cache_bytes / bandwidth * 1e3:.2f} ms cache read, "
           f"{flops / throughput * 1e3:.2f} ms for {flops / 1e9:.2f} GFLOP)")
     # "x stock at the roofline": the most any kernel could gain over stock in these rounds.
@@ -136,7 +137,7 @@ def main():
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     benchmarking.fresh_compiles()
-    print(f"threads {torch.get_num_threads()}")
+    print(f"{isa.cpu_model()}, ISA {isa.host_isa()}; threads {torch.get_num_threads()}")
     if "kernel" in args.part:
         bench_kernel(args)
     if "hf" in args.part:

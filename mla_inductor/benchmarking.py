@@ -15,6 +15,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
+from . import isa
+
 
 def fresh_compiles() -> None:
     """Every variant x shape of a benchmark is its own compile of the same code object: keep Dynamo from
@@ -89,14 +91,18 @@ def read_bandwidth(nbytes: int = 512 << 20, rounds: int = 7) -> float:
 def gemm_probe(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168
                ) -> tuple[Callable[[], object], int]:
     """oneDNN's GEMM (`torch.mm`) at a prefill-like shape to time among the variants of a benchmark,
-    and the FLOPs it does: the compute roofline the variants actually had (see `copy_probe`)."""
+    and the FLOPs it does: the compute roofline the variants actually had (see `copy_probe`).
+
+    The GEMM timed is the best this CPU has for work in `dtype` (`isa.roof_gemm_dtype`): a bf16 probe
+    where oneDNN has no native bf16 would run a scalar fallback for minutes and understate the roof."""
+    dtype = isa.roof_gemm_dtype(dtype)
     a = torch.randn(m, k).to(dtype)
     b = torch.randn(k, n).to(dtype)
     return (lambda: torch.mm(a, b)), 2 * m * n * k
 
 
 def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 2112, k: int = 7168) -> float:
-    """FLOP per second of oneDNN's GEMM (`torch.mm`) at a prefill-like shape (the prefill roofline)."""
+    """FLOP per second of the best oneDNN GEMM for `dtype` (see `gemm_probe`) at a prefill-like shape."""
     mm, flops = gemm_probe(dtype, m, n, k)
     return flops / interleaved_medians({"mm": mm}, rounds=5, calls=3)["mm"]
 
@@ -125,16 +131,17 @@ def weight_stream_table(
     with concat-linear ("stock at its best" is the faster of the two) and mla_inductor (frozen and
     not), against the roofline: the larger of the weight bytes at the copy bandwidth (timed as one
     more variant in the same interleaved rounds, so that it saw the same machine) and the FLOPs at
-    oneDNN's bf16 GEMM throughput. `fusion` names the count to report; `weight_bytes` are the bytes a
-    call must read (default: all of the model's parameters)."""
+    best oneDNN GEMM throughput for bf16 on this CPU (`gemm_throughput`). `fusion` names the count to
+    report; `weight_bytes` are the bytes a call must read (default: all of the model's parameters)."""
     import mla_inductor
 
     if weight_bytes is None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     read = read_bandwidth()
     gemm = gemm_throughput()
-    print(f"weights {weight_bytes / 2**20:.0f} MiB; read bandwidth {read / 1e9:.1f} GB/s; "
-          f"oneDNN bf16 GEMM {gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
+    print(f"{isa.cpu_model()}, ISA {isa.host_isa()}; weights {weight_bytes / 2**20:.0f} MiB; read bandwidth "
+          f"{read / 1e9:.1f} GB/s; oneDNN {str(isa.roof_gemm_dtype()).removeprefix('torch.')} GEMM "
+          f"{gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
     frozen = {"freezing": True, "cpp.enable_concat_linear": True}
     copy, copy_bytes = copy_probe()
     print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "

@@ -12,7 +12,8 @@ variant, and times all variants in one process, interleaved:
 
 Models: the serving-style DeepSeek (models/mla.py), transformers DeepseekV3, transformers Llama.
 Every case reports the fraction of its roofline: the larger of (weights + the KV cache read) over the
-copy bandwidth and FLOPs over oneDNN's GEMM throughput, both measured in this run. Decode is mostly
+copy bandwidth and FLOPs over the best oneDNN GEMM throughput this CPU has for the dtype (bf16 where
+oneDNN has it natively, else fp32: `isa.roof_gemm_dtype`), both measured in this run. Decode is mostly
 memory-bound; at batch 8 over a long cache the 22-head latent attention can make the FLOPs the bound.
 Results go to stdout and to reports/<name>.{json,md,png}.
 """
@@ -26,13 +27,12 @@ import datetime
 import json
 import math
 import pathlib
-import platform
 import sys
 from typing import Callable, Optional
 
 import torch
 
-from . import benchmarking, fusion_counts, reset_counts
+from . import benchmarking, fusion_counts, isa, reset_counts
 from .models import build_model, get_config, make_block_tables, weight_bytes
 from .models.configs import MLAConfig
 
@@ -299,8 +299,9 @@ def to_markdown(report: dict) -> str:
     lines.append("")
     lines.append(
         f"Measured in this run: copy bandwidth {m['copy_bandwidth_GBps']:.1f} GB/s (read stream "
-        f"{m['read_bandwidth_GBps']:.1f} GB/s), oneDNN {report['dtype']} GEMM "
-        f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}. Roofline: the larger of "
+        f"{m['read_bandwidth_GBps']:.1f} GB/s), oneDNN {m['gemm_dtype']} GEMM "
+        f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}; {m['cpu']}, ISA {m['isa']}. "
+        "Roofline: the larger of "
         "(weights + KV cache read) / copy bandwidth (bound: memory) and FLOPs / GEMM throughput (bound: compute). "
         "Times are medians of interleaved rounds."
     )
@@ -417,9 +418,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "copy_bandwidth_GBps": bandwidth / 1e9,
             "read_bandwidth_GBps": read / 1e9,
             "gemm_GFLOPs": gemm / 1e9,
+            "gemm_dtype": str(isa.roof_gemm_dtype(dtype)).removeprefix("torch."),
+            "isa": isa.host_isa(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
-            "cpu": platform.processor() or platform.machine(),
+            "cpu": isa.cpu_model(),
         },
         "results": results,
     }

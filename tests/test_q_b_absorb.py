@@ -116,7 +116,7 @@ class DirectCall(nn.Module):
         return op(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX512-BF16")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")
 def test_template_with_q_b_weight_and_w_kc_packed_under_freezing():
     args = make_args(3, torch.bfloat16, q_lora_rank=99, heads=2, nope=24, rope=8)  # odd K, a partial block
     model = DirectCall(args).eval()

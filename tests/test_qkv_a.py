@@ -15,7 +15,7 @@ from mla_inductor import benchmarking
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
-from mla_inductor.lowerings.segment_gemm import can_pack, pack_vnni_blocks
+from mla_inductor.lowerings.segment_gemm import can_pack, pack_column_blocks, pack_vnni_blocks
 from mla_inductor.ops.qkv_a import reference_fp64
 from mla_inductor.ops.rope import rotate_pairs
 
@@ -219,7 +219,18 @@ def test_pack_vnni_blocks_layout():
             assert blocks[block, kp, c, e] == expected, (block, kp, c, e)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX512-BF16")
+def test_pack_column_blocks_layout():
+    q, kv = torch.randn(20, 7), torch.randn(3, 7)  # a partial block each
+    packed = pack_column_blocks(q, kv)
+    assert packed.shape == (3, 7 * 16)
+    blocks = packed.view(3, 7, 16)
+    for block, weight, n0 in ((0, q, 0), (1, q, 16), (2, kv, 0)):
+        for k, c in ((0, 0), (6, 5), (3, 15), (2, 3)):
+            n = n0 + c
+            assert blocks[block, k, c] == (weight[n, k] if n < weight.shape[0] else 0.0), (block, k, c)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")
 def test_template_with_weights_packed_under_freezing():
     """Frozen bf16 weights are packed at compile time (odd K, partial blocks in both segments), and one
     compile with dynamic rows serves 1 to 512 rows and strided x."""

@@ -11,9 +11,11 @@ from torch._inductor import config as inductor_config
 from torch._inductor import ir
 from torch._inductor.virtualized import V
 
+from .. import isa
 from . import frozen_value, huge_page_empty, realize_input
 
-PACKED_COLS = 32  # kPackedCols of templates/packed_dot.h
+VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX512-BF16
+AVX2_COLS = 16  # and without
 # Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
 # shape, 2 threads). With freezing, bf16 weights are packed at compile time and the template beats
 # oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each k-chunk then waits
@@ -27,13 +29,10 @@ MAX_ROWS_UNFROZEN = 64
 
 
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the code is compiled
-    for this CPU (Inductor's default -march=native) and this CPU has AVX512-BF16."""
-    return (
-        dtype == torch.bfloat16
-        and inductor_config.cpp.march is None
-        and torch.cpu._is_avx512_bf16_supported()
-    )
+    """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the C++ is compiled for
+    a target with AVX2 at least (isa.target_isa: this CPU under Inductor's default -march=native); the
+    layout follows the target (pack_blocks)."""
+    return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
 
 
 def template_wins(rows: int, dtype: torch.dtype) -> bool:
@@ -44,16 +43,39 @@ def template_wins(rows: int, dtype: torch.dtype) -> bool:
 
 def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
     """[N_i, K] weights as one [blocks, (K + 1) // 2 * 64] tensor of the 32-column VNNI blocks that
-    packed_dot.h reads: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in turn, the last
-    block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
+    packed_dot.h reads with AVX512-BF16: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in
+    turn, the last block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
     blocks = []
     for w in weights:
         w = w.contiguous()  # a transposed view too (mla::qkv's [H, I] weight is packed as its [I, H] rows)
         n, k = w.shape
-        padded = F.pad(w, (0, k % 2, 0, -n % PACKED_COLS))
+        padded = F.pad(w, (0, k % 2, 0, -n % VNNI_COLS))
         pairs = (k + 1) // 2
-        blocks.append(padded.view(-1, PACKED_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * PACKED_COLS))
-    packed = huge_page_empty((sum(b.shape[0] for b in blocks), blocks[0].shape[1]), weights[0].dtype)
+        blocks.append(padded.view(-1, VNNI_COLS, pairs, 2).transpose(1, 2).reshape(-1, pairs * 2 * VNNI_COLS))
+    return _in_huge_pages(blocks)
+
+
+def pack_column_blocks(*weights: torch.Tensor) -> torch.Tensor:
+    """[N_i, K] weights as one [blocks, K * 16] tensor of the 16-column blocks that packed_dot.h reads
+    on AVX2: block[k][c] = W[n0 + c][k], each weight's blocks in turn, the last block of each
+    zero-padded in columns."""
+    blocks = []
+    for w in weights:
+        n, k = w.shape
+        padded = F.pad(w.contiguous(), (0, 0, 0, -n % AVX2_COLS))
+        blocks.append(padded.view(-1, AVX2_COLS, k).transpose(1, 2).reshape(-1, k * AVX2_COLS))
+    return _in_huge_pages(blocks)
+
+
+def pack_blocks(*weights: torch.Tensor) -> torch.Tensor:
+    """The weights in the packed layout of the target Inductor compiles for."""
+    if isa.at_least("avx512_bf16", isa.target_isa()):
+        return pack_vnni_blocks(*weights)
+    return pack_column_blocks(*weights)
+
+
+def _in_huge_pages(blocks: list[torch.Tensor]) -> torch.Tensor:
+    packed = huge_page_empty((sum(b.shape[0] for b in blocks), blocks[0].shape[1]), blocks[0].dtype)
     return torch.cat(blocks, out=packed)
 
 
@@ -67,8 +89,8 @@ def frozen_values(dtype: torch.dtype, *weights) -> Optional[list[torch.Tensor]]:
 
 
 def packed_constant(*values: torch.Tensor) -> ir.IRNode:
-    """[N_i, K] weight values packed into one constant of VNNI blocks (each weight's blocks in turn)."""
-    return realize_input(V.graph.add_tensor_constant(pack_vnni_blocks(*values)))
+    """[N_i, K] weight values packed into one constant of blocks (each weight's blocks in turn)."""
+    return realize_input(V.graph.add_tensor_constant(pack_blocks(*values)))
 
 
 def packed_weights(dtype: torch.dtype, *weights) -> Optional[ir.IRNode]:

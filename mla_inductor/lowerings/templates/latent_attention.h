@@ -13,7 +13,10 @@
 //   o     += p . V      -- p is rounded to bf16 and broadcast as (p_j, p_j+1) pairs, the V rows are
 //                          interleaved pairwise on the fly; o's columns come out permuted within each
 //                          32-column chunk (see paired_column) and are put back in order at the merge.
-// Otherwise (fp32, fp16: this CPU has no avx512_fp16) everything widens to fp32 and FMAs.
+// Otherwise (AVX2 CPUs, fp16, fp32) each block's rows are widened to fp32 once, into a thread's scratch
+// that both products then read from L1/L2 (every row is used by all heads twice: widening it in the
+// register tiles instead would redo the conversion once per head tile and per pass), and both products
+// are fp32 FMA register tiles sized to the vector register file (16 ymm registers on AVX2).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -199,50 +202,80 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
 }
 #endif
 
-// Portable score tile: widen to fp32 and FMA.
-template <typename T, int MH, int NR>
-inline void qk_segment_fma(at::vec::Vectorized<float> (&acc)[MH][NR], const T* q, int64_t ldq, const T* const* rows,
-                           int64_t D) {
+// Register tiles of the portable kernels. AVX2 has 16 vector registers: a 3 x 3 score tile keeps its 9
+// accumulators, 3 query and 3 key vectors in registers (6 loads feed 9 FMAs); a 6-head P.V tile keeps
+// 6 x 2 accumulators, 2 value vectors and a broadcast probability (8 loads for 12 FMAs). AVX-512 has 32.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kQkHeadsFp32 = 4;
+constexpr int kQkRowsFp32 = 4;
+constexpr int kPvHeadsFp32 = 12;
+#else
+constexpr int kQkHeadsFp32 = 3;
+constexpr int kQkRowsFp32 = 3;
+constexpr int kPvHeadsFp32 = 6;
+#endif
+constexpr int kPvVecsFp32 = 2;  // vectors of columns per P.V tile
+
+// s[h * lds + n] = scale * q[h] . k[n] for MH heads x NR rows of D fp32 columns (q rows and k rows D apart).
+template <int64_t D, int MH, int NR>
+inline void qk_tile_fp32(const float* q, const float* k, float scale, float* s, int64_t lds) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t W = Vec::size();
-  for (int64_t k = 0; k < D; k += W) {
-    const int64_t count = std::min<int64_t>(W, D - k);  // a partial load zero-fills
-    Vec kv[NR];
-    for (int n = 0; n < NR; ++n) kv[n] = load_floats(rows[n] + k, count);
-    for (int h = 0; h < MH; ++h) {
-      const Vec qv = load_floats(q + h * ldq + k, count);
-      for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
-    }
-  }
-}
-
-template <typename T, int64_t D1, int64_t D2, int MH, int NR>
-inline void qk_tile_fma(const T* q, int64_t ldq, const KeyTile<T>& tile, float scale, float* s, int64_t lds) {
-  using Vec = at::vec::Vectorized<float>;
   Vec acc[MH][NR];
   for (int h = 0; h < MH; ++h)
     for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
-  qk_segment_fma<T, MH, NR>(acc, q, ldq, tile.key, D1);
-  if constexpr (D2 > 0) qk_segment_fma<T, MH, NR>(acc, q + D1, ldq, tile.rope, D2);
+  auto step = [&](int64_t i, int64_t count) __attribute__((always_inline)) {
+    Vec kv[NR];
+    for (int n = 0; n < NR; ++n) kv[n] = count == W ? Vec::loadu(k + n * D + i) : Vec::loadu(k + n * D + i, count);
+    for (int h = 0; h < MH; ++h) {
+      const Vec qv = count == W ? Vec::loadu(q + h * D + i) : Vec::loadu(q + h * D + i, count);
+      for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
+    }
+  };
+  for (int64_t i = 0; i + W <= D; i += W) step(i, W);
+  if constexpr (D % W != 0) step(D - D % W, D % W);  // partial loads zero-fill
   for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
-// Portable P.V tile: o[h, c .. c + width) = alpha[h] * o + sum_j p[h, j] V_j[c ..], fp32 FMAs (alpha =
-// nullptr: o is not read).
-template <typename T, int MH>
-inline void pv_tile_fma(const float* p, int64_t ldp, const T* const* rows, int n, int64_t c, int64_t width,
-                        const float* alpha, float* o, int64_t ldo) {
+// o[h, c .. c + C * W) = alpha[h] * o + sum_j p[h, j] v[j, c ..] for MH heads over n fp32 value rows ldv
+// apart (alpha = nullptr: o is not read). Kept free of lambdas and of partial-vector branches: with
+// either, GCC kept the accumulators on the stack and stored all of them every row (1.5x slower).
+template <int MH, int C>
+inline void pv_tile_fp32(const float* p, int64_t ldp, const float* v, int64_t ldv, int n, int64_t c,
+                         const float* alpha, float* o, int64_t ldo) {
   using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vec::size();
-  for (int64_t c0 = c; c0 < c + width; c0 += W) {
-    const int64_t count = std::min<int64_t>(W, c + width - c0);
-    Vec acc[MH];
-    for (int h = 0; h < MH; ++h) acc[h] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c0, count) : Vec(0.f);
-    for (int j = 0; j < n; ++j) {
-      const Vec v = load_floats(rows[j] + c0, count);
-      for (int h = 0; h < MH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * ldp + j]), v, acc[h]);
+  constexpr int W = Vec::size();
+  Vec acc[MH][C];
+  for (int h = 0; h < MH; ++h)
+    for (int i = 0; i < C; ++i) acc[h][i] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c + i * W) : Vec(0.f);
+  for (int j = 0; j < n; ++j) {
+    Vec vv[C];
+    for (int i = 0; i < C; ++i) vv[i] = Vec::loadu(v + j * ldv + c + i * W);
+    for (int h = 0; h < MH; ++h) {
+      const Vec pj(p[h * ldp + j]);
+      for (int i = 0; i < C; ++i) acc[h][i] = at::vec::fmadd(pj, vv[i], acc[h][i]);
     }
-    for (int h = 0; h < MH; ++h) acc[h].store(o + h * ldo + c0, count);
+  }
+  for (int h = 0; h < MH; ++h)
+    for (int i = 0; i < C; ++i) acc[h][i].store(o + h * ldo + c + i * W);
+}
+
+// pv_tile_fp32 for the last `count` (< C * W) columns of a width that is no multiple of the chunk, one
+// vector of columns at a time.
+template <int MH>
+inline void pv_tail_fp32(const float* p, int64_t ldp, const float* v, int64_t ldv, int n, int64_t c, int count,
+                         const float* alpha, float* o, int64_t ldo) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int c0 = 0; c0 < count; c0 += Vec::size()) {
+    const int lanes = std::min<int>(Vec::size(), count - c0);
+    float* oc = o + c + c0;
+    Vec acc[MH];
+    for (int h = 0; h < MH; ++h) acc[h] = alpha ? Vec(alpha[h]) * Vec::loadu(oc + h * ldo, lanes) : Vec(0.f);
+    for (int j = 0; j < n; ++j) {
+      const Vec vv = Vec::loadu(v + j * ldv + c + c0, lanes);
+      for (int h = 0; h < MH; ++h) acc[h] = at::vec::fmadd(Vec(p[h * ldp + j]), vv, acc[h]);
+    }
+    for (int h = 0; h < MH; ++h) acc[h].store(oc + h * ldo, lanes);
   }
 }
 
@@ -423,6 +456,207 @@ inline bool excludes_all(const float* bias, int n) {
   return true;
 }
 
+// Row pointers of one block and the next in each cache of a request (see attend_split).
+template <typename T, typename IndexT, int64_t D2>
+struct RequestBlocks {
+  BlockRows<T, IndexT> key, rope, value;
+  bool own_values;
+};
+
+#if defined(__AVX512BF16__)
+// Scores s [H, kKvBlock] of the block's n rows (dpbf16 tiles, with the cache-row prefetches).
+template <int H, int64_t D1, int64_t D2, int64_t L, typename IndexT>
+inline void block_scores_bf16(const c10::BFloat16* q, int64_t ldq, const RequestBlocks<c10::BFloat16, IndexT, D2>& b,
+                              int n, int n_next, float scale, float* s) {
+  using T = c10::BFloat16;
+  const auto& [key, rope, value, own_values] = b;
+  // A tile of rows is loaded once and stays in L1 while every head tile dots with it.
+  for (int n0 = 0; n0 < n; n0 += kQkRows) {
+    if (own_values) {
+      // Grouped-query attention: few heads per row, so the kernel is bound by reading the rows, and the
+      // tile prefetches below (a few rows ahead) leave the stream idle between tiles. Asking, per tile,
+      // for the value rows that the P.V pass reads next and for the key rows of the next block keeps
+      // it busy: 6.7 -> 12.3 GB/s on one core (benchmarks/gqa_decode.py).
+      const int tile = std::min(kQkRows, n - n0);
+      prefetch_rows_to_l2(value.rows + n0, tile, L * int64_t(sizeof(T)));
+      prefetch_rows_to_l2(key.next + n0, std::clamp(n_next - n0, 0, tile), D1 * int64_t(sizeof(T)));
+    }
+    const T* key_to_l2[kQkRows];
+    const T* rope_to_l2[kQkRows];
+    const T* key_to_l1[kQkRows];
+    const T* rope_to_l1[kQkRows];
+    key.ahead(n0, n, n_next, kPrefetchTiles, key_to_l2);
+    key.ahead(n0, n, n_next, 1, key_to_l1);
+    if constexpr (D2 > 0) {
+      rope.ahead(n0, n, n_next, kPrefetchTiles, rope_to_l2);
+      rope.ahead(n0, n, n_next, 1, rope_to_l1);
+    }
+    // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tiles ahead, if any.
+    constexpr int kQkHeadTiles = (H + kQkHeads - 1) / kQkHeads;
+    constexpr int kAheadRows = (kQkRows + kQkHeadTiles - 1) / kQkHeadTiles;
+    for (int h0 = 0; h0 < H; h0 += kQkHeads) {
+      const int first_ahead = h0 / kQkHeads * kAheadRows;
+      const bool prefetches = first_ahead < kQkRows;
+      const int shift = prefetches ? first_ahead : 0;
+      const KeyTile<T> tile{key.rows + n0, rope.rows + n0, key_to_l2 + shift, rope_to_l2 + shift,
+                            key_to_l1 + shift, rope_to_l1 + shift};
+      dispatch_count<kQkHeads>(std::min(kQkHeads, H - h0), [&]<int MH>() {
+        dispatch_count<kQkRows>(std::min(kQkRows, n - n0), [&]<int NR>() {
+          float* out = s + h0 * kKvBlock + n0;
+          if (prefetches) {
+            qk_tile_bf16<D1, D2, MH, NR, kAheadRows>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
+          } else {
+            qk_tile_bf16<D1, D2, MH, NR, 0>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
+          }
+        });
+      });
+    }
+  }
+}
+
+// o = alpha * o + p . V (alpha = nullptr: o = p . V) over the block's n rows, p in bf16 pairs, heads in
+// balanced tiles of at most kPvHeads.
+template <int H, int64_t L, typename IndexT, int64_t D2>
+inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloat16, IndexT, D2>& b, int n,
+                          const float* alpha, SoftmaxState& st) {
+  const c10::BFloat16* const* value_rows = b.own_values ? b.value.rows : b.key.rows;
+  constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
+  constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
+  for (int h0 = 0; h0 < H; h0 += kTileHeads) {
+    const float* tile_alpha = alpha == nullptr ? nullptr : alpha + h0;
+    dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
+      for (int64_t c = 0; c < L; c += 32)
+        pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, value_rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
+    });
+  }
+}
+#endif
+
+// A thread's scratch for the portable kernels, kept across its tasks (a fresh allocation per task would
+// fault its pages in every time).
+inline float* thread_scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
+}
+
+// Row i of a block's rows, past its end the next block's, past those nullptr.
+template <typename T, typename IndexT>
+inline const T* row_or_next(const BlockRows<T, IndexT>& rows, int i, int n, int n_next) {
+  return i < n ? rows.rows[i] : i - n < n_next ? rows.next[i - n] : nullptr;
+}
+
+// Prefetches rows [i0, i0 + count) of the block (continuing into the next) into L2, `bytes` each.
+template <typename T, typename IndexT>
+inline void prefetch_block_rows(const BlockRows<T, IndexT>& rows, int i0, int count, int n, int n_next,
+                                int64_t bytes) {
+  for (int i = i0; i < i0 + count; ++i)
+    if (const T* row = row_or_next(rows, i, n, n_next)) prefetch_rows_to_l2(&row, 1, bytes);
+}
+
+// qk_tile_fp32 for the first head tile of a row tile: it reads the rows from the cache (K_n = key[n] |
+// rope[n]), widens them in registers and also stores them, widened, at k[n] (rows D1 + D2 apart), where
+// the other head tiles and the P.V pass read them. Each row is converted once per step; the stores
+// ride along with this tile's FMAs.
+template <typename T, int64_t D1, int64_t D2, int MH, int NR>
+inline void qk_tile_widening(const float* q, const T* const* key, const T* const* rope, float* k, float scale,
+                             float* s, int64_t lds) {
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t D = D1 + D2;
+  Vec acc[MH][NR];
+  for (int h = 0; h < MH; ++h)
+    for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
+  auto step = [&](const T* const* rows, int64_t i, int64_t col, int64_t count) __attribute__((always_inline)) {
+    Vec kv[NR];
+    for (int n = 0; n < NR; ++n) {
+      kv[n] = count == W ? load_floats(rows[n] + i) : load_floats(rows[n] + i, count);
+      if (count == W) {
+        kv[n].store(k + n * D + col);
+      } else {
+        kv[n].store(k + n * D + col, count);
+      }
+    }
+    for (int h = 0; h < MH; ++h) {
+      const Vec qv = count == W ? Vec::loadu(q + h * D + col) : Vec::loadu(q + h * D + col, count);
+      for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
+    }
+  };
+  for (int64_t i = 0; i + W <= D1; i += W) step(key, i, i, W);
+  if constexpr (D1 % W != 0) step(key, D1 - D1 % W, D1 - D1 % W, D1 % W);
+  if constexpr (D2 > 0) {
+    for (int64_t i = 0; i + W <= D2; i += W) step(rope, i, D1 + i, W);
+    if constexpr (D2 % W != 0) step(rope, D2 - D2 % W, D - D2 % W, D2 % W);
+  }
+  for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
+}
+
+// Row tiles ahead whose rows the score pass prefetches into L2 (the pass is the first to read them).
+constexpr int kPrefetchTilesFp32 = 2;
+
+// Scores s [H, kKvBlock] of the block's n rows from qf (the query in fp32, rows D apart), leaving the
+// rows widened in keys [n, D1 + D2]: the first head tile of each row tile widens them, the others and
+// the P.V pass read the fp32 copy from L1 / L2.
+template <int H, int64_t D1, int64_t D2, typename T, typename IndexT>
+inline void block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2>& b, int n, int n_next,
+                              float scale, float* s, float* keys) {
+  constexpr int64_t D = D1 + D2;
+  for (int n0 = 0; n0 < n; n0 += kQkRowsFp32) {
+    const int ahead = n0 + kPrefetchTilesFp32 * kQkRowsFp32;
+    prefetch_block_rows(b.key, ahead, kQkRowsFp32, n, n_next, D1 * int64_t(sizeof(T)));
+    if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead, kQkRowsFp32, n, n_next, D2 * int64_t(sizeof(T)));
+    dispatch_count<kQkRowsFp32>(std::min(kQkRowsFp32, n - n0), [&]<int NR>() {
+      float* k = keys + n0 * D;
+      for (int h0 = 0; h0 < H; h0 += kQkHeadsFp32) {
+        dispatch_count<kQkHeadsFp32>(std::min(kQkHeadsFp32, H - h0), [&]<int MH>() {
+          float* out = s + h0 * kKvBlock + n0;
+          if (h0 == 0) {
+            qk_tile_widening<T, D1, D2, MH, NR>(qf, b.key.rows + n0, b.rope.rows + n0, k, scale, out, kKvBlock);
+          } else {
+            qk_tile_fp32<D, MH, NR>(qf + h0 * D, k, scale, out, kKvBlock);
+          }
+        });
+      }
+    });
+  }
+}
+
+// values[i] = V_i in fp32 for the block's n rows, for a value cache of its own (grouped-query attention),
+// prefetching rows kPrefetchTilesFp32 row tiles ahead.
+template <int64_t L, typename T, typename IndexT>
+inline void widen_values(const BlockRows<T, IndexT>& value, int n, int n_next, float* values) {
+  for (int i = 0; i < n; ++i) {
+    if (i % kQkRowsFp32 == 0)
+      prefetch_block_rows(value, i + kPrefetchTilesFp32 * kQkRowsFp32, kQkRowsFp32, n, n_next, L * int64_t(sizeof(T)));
+    widen_row(value.rows[i], L, values + i * L);
+  }
+}
+
+// o = alpha * o + p . values (alpha = nullptr: o = p . values) over n fp32 rows ldv apart. Column chunks
+// outside, head tiles inside: a chunk of every row (8 KiB for 128 rows) stays in L1 while all head tiles
+// pass over it; the other order read the whole block from L2 once per head tile, which bound the pass
+// by L2 bandwidth (1.6x slower on a Zen 1 EPYC).
+template <int H, int64_t L>
+inline void block_pv_fp32(const float* p, const float* values, int64_t ldv, int n, const float* alpha,
+                          SoftmaxState& st) {
+  constexpr int kHeadTiles = (H + kPvHeadsFp32 - 1) / kPvHeadsFp32;
+  constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
+  constexpr int64_t kChunk = kPvVecsFp32 * at::vec::Vectorized<float>::size();
+  for (int64_t c = 0; c < L; c += kChunk) {
+    const int count = static_cast<int>(std::min(kChunk, L - c));
+    for (int h0 = 0; h0 < H; h0 += kTileHeads) {
+      const float* tile_alpha = alpha == nullptr ? nullptr : alpha + h0;
+      dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
+        if (count == kChunk) {
+          pv_tile_fp32<MH, kPvVecsFp32>(p + h0 * kKvBlock, kKvBlock, values, ldv, n, c, tile_alpha, st.o + h0 * L, L);
+        } else {
+          pv_tail_fp32<MH>(p + h0 * kKvBlock, kKvBlock, values, ldv, n, c, count, tile_alpha, st.o + h0 * L, L);
+        }
+      });
+    }
+  }
+}
+
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
 // into st (m and l initialised by the caller; o not written if no row is admitted). mask (nullptr:
 // none) holds the request's per-row mask, indexed by row. `zero_row` pads an odd block, so that no row
@@ -432,24 +666,34 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
                          float scale, float softcap, const MaskT* mask, const T* zero_row, SoftmaxState& st) {
   constexpr bool kBf16 = use_bf16_kernels<T>(L);
   using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
+  constexpr int64_t D = D1 + D2;
   alignas(64) float s[H * kKvBlock];
   alignas(64) ProbT p[H * kKvBlock];
   float alpha[H];
-  BlockRows<T, IndexT> key{request.key, request.key_stride}, rope{request.rope, D2},
-      value{request.value, request.value_stride};
-  const bool own_values = request.value != nullptr;
+  RequestBlocks<T, IndexT, D2> b{{request.key, request.key_stride}, {request.rope, D2},
+                                 {request.value, request.value_stride}, request.value != nullptr};
   auto gather = [&](int64_t j, int n) {
-    key.gather(request.block_size, request.table, j, n);
-    if constexpr (D2 > 0) rope.gather(request.block_size, request.table, j, n);
-    if (own_values) value.gather(request.block_size, request.table, j, n);
+    b.key.gather(request.block_size, request.table, j, n);
+    if constexpr (D2 > 0) b.rope.gather(request.block_size, request.table, j, n);
+    if (b.own_values) b.value.gather(request.block_size, request.table, j, n);
   };
+  // The portable path's fp32 copies: the query, then a block's keys and (own) values.
+  float* qf = nullptr;
+  float* keys = nullptr;
+  float* values = nullptr;
+  if constexpr (!kBf16) {
+    qf = thread_scratch(H * D + kKvBlock * D + (b.own_values ? kKvBlock * L : 0));
+    keys = qf + H * D;
+    values = keys + kKvBlock * D;
+    for (int h = 0; h < H; ++h) widen_row(q + h * ldq, D, qf + h * D);
+  }
   bool first = true;  // o is written, not rescaled, by the first block that is not skipped
   gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
   for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kKvBlock, j1 - jb));
-    key.advance(n, zero_row);
-    if constexpr (D2 > 0) rope.advance(n, zero_row);
-    if (own_values) value.advance(n, zero_row);
+    b.key.advance(n, zero_row);
+    if constexpr (D2 > 0) b.rope.advance(n, zero_row);
+    if (b.own_values) b.value.advance(n, zero_row);
     const int n_next = static_cast<int>(std::clamp<int64_t>(j1 - jb - n, 0, kKvBlock));
     gather(jb + n, n_next);
     alignas(64) float bias[kKvBlock];
@@ -458,76 +702,24 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
       if (excludes_all(bias, n)) continue;
     }
 
-    // Scores: a tile of rows is loaded once and stays in L1 while every head tile dots with it.
-    for (int n0 = 0; n0 < n; n0 += kQkRows) {
-      if (own_values) {
-        // Grouped-query attention: few heads per row, so the kernel is bound by reading the rows, and the
-        // tile prefetches below (a few rows ahead) leave the stream idle between tiles. Asking, per tile,
-        // for the value rows that the P.V pass reads next and for the key rows of the next block keeps
-        // it busy: 6.7 -> 12.3 GB/s on one core (benchmarks/gqa_decode.py).
-        const int tile = std::min(kQkRows, n - n0);
-        prefetch_rows_to_l2(value.rows + n0, tile, L * int64_t(sizeof(T)));
-        prefetch_rows_to_l2(key.next + n0, std::clamp(n_next - n0, 0, tile), D1 * int64_t(sizeof(T)));
-      }
-      const T* key_to_l2[kQkRows];
-      const T* rope_to_l2[kQkRows];
-      const T* key_to_l1[kQkRows];
-      const T* rope_to_l1[kQkRows];
-      key.ahead(n0, n, n_next, kPrefetchTiles, key_to_l2);
-      key.ahead(n0, n, n_next, 1, key_to_l1);
-      if constexpr (D2 > 0) {
-        rope.ahead(n0, n, n_next, kPrefetchTiles, rope_to_l2);
-        rope.ahead(n0, n, n_next, 1, rope_to_l1);
-      }
-      // Head tile t prefetches rows [t * kAheadRows, (t + 1) * kAheadRows) of the tiles ahead, if any.
-      constexpr int kQkHeadTiles = (H + kQkHeads - 1) / kQkHeads;
-      constexpr int kAheadRows = (kQkRows + kQkHeadTiles - 1) / kQkHeadTiles;
-      for (int h0 = 0; h0 < H; h0 += kQkHeads) {
-        const int first_ahead = h0 / kQkHeads * kAheadRows;
-        const bool prefetches = first_ahead < kQkRows;
-        const int shift = prefetches ? first_ahead : 0;
-        const KeyTile<T> tile{key.rows + n0, rope.rows + n0, key_to_l2 + shift, rope_to_l2 + shift,
-                              key_to_l1 + shift, rope_to_l1 + shift};
-        dispatch_count<kQkHeads>(std::min(kQkHeads, H - h0), [&]<int MH>() {
-          dispatch_count<kQkRows>(std::min(kQkRows, n - n0), [&]<int NR>() {
-            float* out = s + h0 * kKvBlock + n0;
+    if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
-            if constexpr (std::is_same_v<T, c10::BFloat16>) {
-              if (prefetches) {
-                qk_tile_bf16<D1, D2, MH, NR, kAheadRows>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
-              } else {
-                qk_tile_bf16<D1, D2, MH, NR, 0>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
-              }
-              return;
-            }
+      block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
 #endif
-            qk_tile_fma<T, D1, D2, MH, NR>(q + h0 * ldq, ldq, tile, scale, out, kKvBlock);
-          });
-        });
-      }
+    } else {
+      block_scores_fp32<H, D1, D2>(qf, b, n, n_next, scale, s, keys);
+      if (b.own_values) widen_values<L>(b.value, n, n_next, values);
     }
 
     softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
 
-    // o = alpha * o + p . V (o = p . V on the first block), heads in balanced tiles of at most kPvHeads.
-    const T* const* value_rows = own_values ? value.rows : key.rows;
-    constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
-    constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
-    for (int h0 = 0; h0 < H; h0 += kTileHeads) {
-      const float* tile_alpha = first ? nullptr : alpha + h0;
-      dispatch_count<kTileHeads>(std::min(kTileHeads, H - h0), [&]<int MH>() {
-        if constexpr (kBf16) {
+    // o = alpha * o + p . V (o = p . V on the first block).
+    if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
-          for (int64_t c = 0; c < L; c += 32)
-            pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, value_rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
+      block_pv_bf16<H, L>(p, b, n, first ? nullptr : alpha, st);
 #endif
-        } else {
-          constexpr int64_t kChunk = 4 * at::vec::Vectorized<float>::size();
-          for (int64_t c = 0; c < L; c += kChunk)
-            pv_tile_fma<T, MH>(p + h0 * kKvBlock, kKvBlock, value_rows, n, c, std::min(kChunk, L - c), tile_alpha,
-                               st.o + h0 * L, L);
-        }
-      });
+    } else {
+      block_pv_fp32<H, L>(p, b.own_values ? values : keys, b.own_values ? L : D, n, first ? nullptr : alpha, st);
     }
     first = false;
   }

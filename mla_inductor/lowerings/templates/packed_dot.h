@@ -1,12 +1,17 @@
-// NN tiles over a weight packed at compile time (freezing) into VNNI column blocks:
+// NN tiles over a weight packed at compile time (freezing) into column blocks, each one sequential
+// stream that the hardware prefetcher follows at full bandwidth (where NT tiles read four rows 14 KiB
+// apart). Two layouts, one per target, behind one interface (packed_tasks, packed_block_elems,
+// packed_task); lowerings/segment_gemm.py packs for the target Inductor compiles for:
 //
-//   block[kp][c][e] = W[n0 + c][2 * kp + e]    (c < kPackedCols, e < 2; zero beyond N and K)
+// AVX512-BF16: VNNI pairs, block[kp][c][e] = W[n0 + c][2 * kp + e] (c < 32, e < 2). Each step broadcasts
+//   a pair of x values (one 32-bit load) against two 64-byte loads of the block and issues 2 * MR
+//   dpbf16. At 8 x rows it streamed 32 GB/s where the NT tiles managed 17-19 (benchmarks/qkv_a.py,
+//   docs/qkv_a.md).
+// AVX2 (no native bf16): block[k][c] = W[n0 + c][k] (c < 16). Each step widens 16 weights (two 16-bit
+//   shifts) and broadcasts one fp32 x value per row against them, 2 * MR FMAs; x is widened to fp32
+//   a chunk at a time, once per row tile.
 //
-// so one block is a single sequential stream of (K + 1) / 2 * 128 bytes. Each step broadcasts a pair of
-// x values (one 32-bit load) against two 64-byte loads of the block and issues 2 * MR dpbf16. Against
-// the NT form (nt_dot.h) this needs no lane reduction and, above all, each thread reads one stream
-// instead of four rows 14 KiB apart, which the hardware prefetcher follows at full bandwidth: at 8 x
-// rows it streamed 32 GB/s where the NT tiles managed 17-19 (benchmarks/qkv_a.py, docs/qkv_a.md).
+// Blocks are zero-padded in columns (and the VNNI layout in k to a whole pair).
 #pragma once
 #include <c10/util/BFloat16.h>
 
@@ -14,12 +19,14 @@
 #include <cstdint>
 #include <cstring>
 
-#if !defined(__AVX512BF16__)
-#error "packed_dot.h needs AVX512-BF16: the lowering packs weights only when the CPU and -march have it"
+#if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "packed_dot.h needs AVX512-BF16 or AVX2 with FMA: the lowering packs weights only for such targets"
 #endif
 #include <immintrin.h>
 
 namespace mla_inductor {
+
+#if defined(__AVX512BF16__)
 
 constexpr int64_t kPackedCols = 32;  // two fp32 vectors of outputs per x row
 constexpr int kPackedRows = 8;       // x rows per register tile: 16 accumulators + 2 weight vectors
@@ -119,6 +126,85 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
     }
   }
 }
+
+#else  // AVX2
+
+constexpr int64_t kPackedCols = 16;  // two 8-lane fp32 vectors of outputs per x row
+constexpr int kPackedRows = 6;       // 12 accumulators + 2 weight vectors + 1 broadcast of 16 registers
+// k per chunk: a row tile's x chunk in fp32 (6 KiB) and the block's chunk (8 KiB) stay in L1 while
+// every row tile passes over it.
+constexpr int64_t kPackedChunk = 256;
+
+constexpr int64_t packed_block_elems(int64_t K) { return K * kPackedCols; }
+
+__attribute__((always_inline)) inline __m256 widen_bf16x8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// acc[MR][2] (in memory: out rows, or zero when first) += xf[:, 0:k1-k0) . block[k0..k1), xf holding the
+// row tile's x chunk in fp32 (rows kPackedChunk apart).
+template <int MR>
+inline void packed_tile_avx2(const float* xf, const c10::BFloat16* block, int64_t k0, int64_t k1, float* out,
+                             int64_t ldo, int cols, bool first) {
+  __m256 a[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    if (first) {
+      a[m][0] = a[m][1] = _mm256_setzero_ps();
+    } else {
+      alignas(32) float row[kPackedCols] = {};
+      std::memcpy(row, out + m * ldo, cols * sizeof(float));
+      a[m][0] = _mm256_load_ps(row);
+      a[m][1] = _mm256_load_ps(row + 8);
+    }
+  }
+  for (int64_t k = k0; k < k1; ++k) {
+    const c10::BFloat16* w = block + k * kPackedCols;
+    const __m256 w0 = widen_bf16x8(w), w1 = widen_bf16x8(w + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xb = _mm256_broadcast_ss(xf + m * kPackedChunk + (k - k0));
+      a[m][0] = _mm256_fmadd_ps(xb, w0, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(xb, w1, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    if (cols == kPackedCols) {
+      _mm256_storeu_ps(out + m * ldo, a[m][0]);
+      _mm256_storeu_ps(out + m * ldo + 8, a[m][1]);
+    } else {
+      alignas(32) float row[kPackedCols];
+      _mm256_store_ps(row, a[m][0]);
+      _mm256_store_ps(row + 8, a[m][1]);
+      std::memcpy(out + m * ldo, row, cols * sizeof(float));
+    }
+  }
+}
+
+// out[m, c] = sum_k x[m, k] * W[n0 + c, k] in fp32 for m < M and c < cols (<= kPackedCols), W[n0:] being
+// the packed `block`.
+inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
+                              int64_t K, int64_t cols, float* out, int64_t ldo) {
+  alignas(32) float xf[kPackedRows * kPackedChunk];
+  for (int64_t k0 = 0; k0 < K; k0 += kPackedChunk) {
+    const int64_t k1 = std::min(K, k0 + kPackedChunk);
+    for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kPackedRows, M - m0));
+      for (int m = 0; m < mr; ++m) widen_row(x + (m0 + m) * ldx + k0, k1 - k0, xf + m * kPackedChunk);
+      float* om = out + m0 * ldo;
+      const int c = static_cast<int>(cols);
+      switch (mr) {
+        case 6: packed_tile_avx2<6>(xf, block, k0, k1, om, ldo, c, k0 == 0); break;
+        case 5: packed_tile_avx2<5>(xf, block, k0, k1, om, ldo, c, k0 == 0); break;
+        case 4: packed_tile_avx2<4>(xf, block, k0, k1, om, ldo, c, k0 == 0); break;
+        case 3: packed_tile_avx2<3>(xf, block, k0, k1, om, ldo, c, k0 == 0); break;
+        case 2: packed_tile_avx2<2>(xf, block, k0, k1, om, ldo, c, k0 == 0); break;
+        default: packed_tile_avx2<1>(xf, block, k0, k1, om, ldo, c, k0 == 0);
+      }
+    }
+  }
+}
+
+#endif
 
 // A GEMM out[M, N] = x[M, K] . W[N, K]^T over W packed into blocks (all of N's blocks in a row of
 // `packed`) as parallel tasks: one block each, every row of x passing over it while it is in cache.

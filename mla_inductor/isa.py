@@ -1,0 +1,104 @@
+"""Which x86 instruction sets the generated C++ may use, and which GEMM is the honest compute roof.
+
+Two questions with different answers on a machine whose code is compiled for another target:
+- `host_isa()`: what this CPU runs (the report records it; the roofline's GEMM probe follows it).
+- `target_isa()`: what the C++ Inductor emits is compiled for. Inductor builds with `-march=native`
+  unless `cpp.march` names another target; the lowerings choose their kernels (packed AVX512-BF16
+  weights, or AVX2 ones) for the target, so a test can force the AVX2 path on an AVX-512 machine by
+  setting `cpp.march` to an AVX2 target, and compile (not run) the AVX-512 path on an AVX2 one.
+
+The levels are ordered: each includes the ones before it ("amx" CPUs take the AVX512-BF16 kernels;
+AMX tiles themselves are not used yet: docs/isa.md says where they would pay).
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+import platform
+
+import torch
+from torch._inductor import config as inductor_config
+
+LEVELS = ("default", "avx2", "avx512f", "avx512_bf16", "amx")
+
+# gcc -march names this project knows the level of; any other explicit target counts as "default"
+# (only the portable kernels are offered for it).
+_MARCH_LEVELS = {
+    "native": None,  # the host's
+    "x86-64": "default",
+    "x86-64-v2": "default",
+    "x86-64-v3": "avx2",
+    "haswell": "avx2",
+    "broadwell": "avx2",
+    "skylake": "avx2",
+    "znver1": "avx2",
+    "znver2": "avx2",
+    "znver3": "avx2",
+    "alderlake": "avx2",
+    "x86-64-v4": "avx512f",
+    "skylake-avx512": "avx512f",
+    "cascadelake": "avx512f",
+    "icelake-server": "avx512f",
+    "cooperlake": "avx512_bf16",
+    "znver4": "avx512_bf16",
+    "znver5": "avx512_bf16",
+    "sapphirerapids": "amx",
+    "graniterapids": "amx",
+    "emeraldrapids": "amx",
+}
+
+
+@functools.cache
+def host_isa() -> str:
+    """The widest level this CPU supports."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "default"
+    if not torch.cpu._is_avx512_supported():
+        return "avx2"
+    if not torch.cpu._is_avx512_bf16_supported():
+        return "avx512f"
+    # AMX implies AVX512-BF16 on every CPU that has it (Sapphire Rapids and newer): never a lower level.
+    return "amx" if torch.cpu._is_amx_tile_supported() else "avx512_bf16"
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name ("AMD EPYC ..."), for the tables that must name the CPU they ran on."""
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def target_isa() -> str:
+    """The level the C++ of the compile in progress is built for (`cpp.march`, else the host's)."""
+    march = inductor_config.cpp.march
+    if march is None or march == "native":
+        return host_isa()
+    if march not in _MARCH_LEVELS:
+        return "default"
+    return _MARCH_LEVELS[march]
+
+
+def at_least(level: str, isa: str) -> bool:
+    return LEVELS.index(isa) >= LEVELS.index(level)
+
+
+def native_bf16_gemm() -> bool:
+    """Whether oneDNN has a native bf16 GEMM here: without AVX512-BF16 a bf16 `torch.mm` runs a scalar
+    fallback (0.3-1 GFLOP/s on an AVX2 EPYC), and bf16 work is done widened to fp32."""
+    return at_least("avx512_bf16", host_isa())
+
+
+def roof_gemm_dtype(dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+    """The dtype whose oneDNN GEMM is the compute roof for work in `dtype`: bf16 where it is native,
+    else fp32 (the throughput bf16 widened to fp32 in registers can reach)."""
+    if dtype == torch.bfloat16 and not native_bf16_gemm():
+        return torch.float32
+    if dtype == torch.float16:  # the kernels widen fp16 to fp32 (F16C) on every CPU
+        return torch.float32
+    return dtype

@@ -1,0 +1,114 @@
+"""The ISA each kernel path is built for: detection, and the path of the *other* kind of CPU.
+
+One machine runs one path natively (AVX2-only EPYCs the portable FMA kernels; AVX512-BF16 EPYCs the
+dpbf16 kernels and packed weights), and the other tests run that one. Here an AVX-512 machine compiles
+and runs the templates for an AVX2 target, and a machine without AVX512-BF16 compiles (cannot run) them
+for one that has it.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import mla_inductor
+from mla_inductor import benchmarking, isa
+from mla_inductor.lowerings.segment_gemm import can_pack, pack_blocks
+from mla_inductor.ops.q_b_absorb import reference_fp64 as q_b_reference
+
+AVX2_TARGET = {"cpp.march": "haswell", "cpp.simdlen": 256}  # AVX2, FMA, F16C; 8-lane Vectorized<float>
+AVX512_BF16_TARGET = {"cpp.march": "sapphirerapids"}
+
+
+def test_host_isa_follows_the_cpu_flags():
+    level = isa.host_isa()
+    assert level in isa.LEVELS
+    assert isa.at_least("avx2", level) == torch.cpu._is_avx2_supported()
+    assert isa.at_least("avx512_bf16", level) == torch.cpu._is_avx512_bf16_supported()
+    if torch.cpu._is_amx_tile_supported():  # an AMX CPU takes at least the AVX512-BF16 kernels
+        assert level == "amx" and isa.native_bf16_gemm()
+    assert isa.roof_gemm_dtype(torch.bfloat16) == (torch.bfloat16 if isa.native_bf16_gemm() else torch.float32)
+
+
+def test_target_isa_follows_cpp_march():
+    assert isa.target_isa() == isa.host_isa()
+    weight = torch.arange(40 * 6, dtype=torch.bfloat16).view(40, 6)
+    with torch._inductor.config.patch(AVX2_TARGET):
+        assert isa.target_isa() == "avx2" and can_pack(torch.bfloat16)
+        assert pack_blocks(weight).shape == (3, 6 * 16)  # 16-column blocks, k-major
+    with torch._inductor.config.patch(AVX512_BF16_TARGET):
+        assert isa.target_isa() == "amx" and can_pack(torch.bfloat16)
+        assert pack_blocks(weight).shape == (2, 3 * 2 * 32)  # 32-column VNNI blocks of k pairs
+    with torch._inductor.config.patch({"cpp.march": "some-future-cpu"}):
+        assert isa.target_isa() == "default" and not can_pack(torch.bfloat16)  # unknown: the portable kernels
+
+
+def test_gemm_probe_times_the_roof_dtype_quickly():
+    """Where oneDNN has no native bf16 the probe is an fp32 GEMM: a bf16 one would take minutes."""
+    mm, flops = benchmarking.gemm_probe(torch.bfloat16, m=64, n=256, k=512)
+    out = mm()
+    assert out.dtype == isa.roof_gemm_dtype(torch.bfloat16) and flops == 2 * 64 * 256 * 512
+
+
+class Projections(nn.Module):
+    """q_b_absorb on weights that freezing makes constants (packed in the target's layout), and latent
+    decode attention over a paged cache, in one graph: one compile covers both kernels."""
+
+    def __init__(self, heads=3, nope=16, rope=8, latent=64, q_lora_rank=99):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.q_b_weight = nn.Parameter(
+            (torch.randn(heads * (nope + rope), q_lora_rank, generator=g) * q_lora_rank**-0.5).bfloat16(),
+            requires_grad=False)
+        self.w_kc = nn.Parameter((torch.randn(heads, nope, latent, generator=g) * nope**-0.5).bfloat16(),
+                                 requires_grad=False)
+        self.latent = latent
+
+    def forward(self, q_a, cos, sin, cache, tables, lens):
+        q = torch.ops.mla.q_b_absorb(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
+        return q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1)
+
+
+def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):
+    g = torch.Generator().manual_seed(1)
+    angles = torch.rand(tokens, rope // 2, generator=g) * 6.3
+    cache = torch.randn(tokens * 3, block_size, latent + rope, generator=g).bfloat16()
+    tables = torch.randperm(tokens * 3, generator=g).view(tokens, 3)
+    lens = torch.tensor([rows, 1, 2 * block_size + 1][:tokens])
+    return (torch.randn(tokens, q_lora_rank, generator=g).bfloat16(), angles.cos().bfloat16(),
+            angles.sin().bfloat16(), cache, tables, lens)
+
+
+def compile_frozen(module, inputs, backend="mla_inductor"):
+    torch._dynamo.reset()
+    with benchmarking.inference_freezing(), torch.no_grad():
+        return run_and_get_code(torch.compile(module, backend=backend), *inputs)
+
+
+@pytest.mark.skipif(isa.host_isa() == "avx2", reason="AVX2 is this CPU's own target: every template test runs it")
+@pytest.mark.skipif(not isa.at_least("avx2", isa.host_isa()), reason="this CPU cannot run AVX2 code")
+def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
+    module, inputs = Projections().eval(), projection_inputs()
+    with torch._inductor.config.patch(AVX2_TARGET):
+        (q, out), (code,) = compile_frozen(module, inputs)
+    assert "mi::attend_split" in code and "mi::packed_task" in code
+    with torch.no_grad():
+        q_expected, out_expected = module(*inputs)  # the ops' eager references
+    args = dict(q_a=inputs[0], q_b_weight=module.q_b_weight, w_kc=module.w_kc, cos=inputs[1], sin=inputs[2])
+    torch.testing.assert_close(q.double(), q_b_reference(**args, rope_style="interleaved"), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), out_expected.float(), atol=1e-2, rtol=1e-2)
+
+
+def compile_only(gm, example_inputs):
+    """A backend that compiles the graph with mla_inductor (its C++ is built) and runs it eagerly."""
+    mla_inductor.backend(gm, example_inputs)
+    return gm.forward
+
+
+@pytest.mark.skipif(isa.native_bf16_gemm(), reason="this CPU runs the AVX512-BF16 kernels in the other tests")
+def test_avx512_bf16_kernels_compile_here():
+    """Built, not run, for a CPU with AVX512-BF16: VNNI-packed weights and the dpbf16 decode tiles."""
+    module, inputs = Projections().eval(), projection_inputs()
+    with torch._inductor.config.patch(AVX512_BF16_TARGET):
+        _, (code,) = compile_frozen(module, inputs, backend=compile_only)
+    assert "mi::attend_split" in code and "mi::packed_task" in code
