@@ -13,8 +13,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[test,report]"
 	touch $(STAMP)
 
+# Two workers of one thread each: the suite is compile-bound (one core per compile), and a test module
+# stays on one worker (--dist loadfile) so that the compiles it shares are made once.
+WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 report: $(STAMP)
 	$(PY) -m mla_inductor.report $(REPORT_ARGS)

@@ -3,8 +3,11 @@ import os
 import pytest
 import torch
 
-# Tests compare numerics, not speed: keep compiles deterministic and the thread count fixed.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Tests compare numerics, not speed: keep compiles deterministic and the thread count fixed. Under
+# pytest-xdist (make test) the workers share the cores; one thread each keeps OpenMP from spinning on a
+# core another worker needs. test_mla_decode compiles its template on two threads once.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 # Hermetic compiles: a cache hit from an earlier run would replay code without running MLAPass,
 # and tests that count fusions would see none. test_backend checks the cache in its own process.
 torch._inductor.config.fx_graph_cache = False

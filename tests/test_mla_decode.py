@@ -224,6 +224,22 @@ def test_template_matches_per_request_sdpa_and_never_reads_past_seq_len(batch, h
     assert_matches(out, sdpa_reference(q, dense, lens, scale), dtype)
 
 
+def test_template_on_two_threads_merges_every_split():
+    """The suite runs one thread per worker; the template's num_threads is fixed at compile time, so
+    compile one on two threads: tasks of several splits run concurrently and merge after the barrier."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, cache, block_tables, lens, dense = paged_case(3, 7, [700, 1, 300], 16, torch.bfloat16)
+        w_vc = (torch.randn(7, 24, LORA) * LORA**-0.5).to(torch.bfloat16)
+        fn = torch.compile(lambda q, c, t, n, w: op(q, c, t, n, LORA, 0.07, w_vc=w), backend="mla_inductor")
+        out, code = run_template(fn, q, cache, block_tables, lens, w_vc)
+    finally:
+        torch.set_num_threads(threads)
+    assert "num_threads(2)" in code
+    assert_matches(out, sdpa_reference(q, dense, lens, 0.07, w_vc), torch.bfloat16)
+
+
 def test_template_de_absorbs_writes_the_new_row_and_caps():
     q, cache, block_tables, lens, dense = paged_case(3, 5, [20, 33, 0], 16, torch.bfloat16)
     new = torch.randn(3, LORA + ROPE).to(torch.bfloat16)
