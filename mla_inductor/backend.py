@@ -14,6 +14,7 @@ from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
 from . import config as mla_config
+from . import isa
 from .passes import MLAPass
 
 # Inductor config key -> the MLAPass stage it runs.
@@ -48,6 +49,19 @@ def inductor_options(**own: Any) -> dict[str, Any]:
     return install_passes({}, mla_config.Config.from_options(own))
 
 
+def _concat_linear_is_slow_here(example_inputs) -> bool:
+    """Whether Inductor's concat-linear would make bf16 GEMMs of this graph crawl on this CPU.
+
+    Under freezing, `cpp.enable_concat_linear` folds linears that share an input into one GEMM over a
+    concatenated constant laid out [K, N]; without a native bf16 GEMM (no AVX512-BF16) that layout runs
+    ATen's scalar fallback: two deepseek-v3-tp22 A-projection layers took 441 ms at 1 row and 29.8 s at
+    64 rows with it, 6.1 ms and 285 ms without (frozen both; an AVX2 EPYC). Our own fusions read the
+    weights they fuse themselves; the option only matters to the GEMMs they leave to Inductor."""
+    return not isa.native_bf16_gemm() and any(
+        isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in example_inputs
+    )
+
+
 def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -63,6 +77,9 @@ def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Opti
             "set torch._inductor.config.freezing = True (or use config.patch) around the first call",
             stacklevel=2,
         )
+    concat = patches.get("cpp.enable_concat_linear", inductor_config.cpp.enable_concat_linear)
+    if concat and _concat_linear_is_slow_here(example_inputs):
+        patches["cpp.enable_concat_linear"] = False
     install_passes(patches, config)
     previous = mla_config.set_active(config)
     try:

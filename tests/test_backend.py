@@ -11,9 +11,10 @@ import textwrap
 import pytest
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from mla_inductor import passes
+from mla_inductor import isa, passes
 from mla_inductor.backend import install_passes, split_options
 from mla_inductor.config import Config
 
@@ -116,6 +117,31 @@ def test_inductor_options_give_the_stock_backend_our_passes(monkeypatch):
     x = torch.randn(5)
     torch.testing.assert_close(f(x), torch.cos(x) - 1)
     assert sorted(seen) == ["joint", "post_grad"]
+
+
+class TwoLinears(torch.nn.Module):
+    """Two projections of one input, as Inductor's concat-linear folds them under freezing."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(64, 48, bias=False), torch.nn.Linear(64, 80, bias=False)
+
+    def forward(self, x):
+        return self.a(x), self.b(x)
+
+
+def test_concat_linear_kept_only_where_bf16_gemms_are_native():
+    """Without a native bf16 GEMM the concatenated [K, N] bf16 weight runs ATen's scalar fallback
+    (~80x slower), so the backend leaves those linears apart there; elsewhere the option holds."""
+    module = TwoLinears().to(torch.bfloat16).eval()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    options = {"freezing": True, "cpp.enable_concat_linear": True}
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(options):
+        (a, b), (code,) = run_and_get_code(torch.compile(module, backend="mla_inductor", options=options), x)
+    gemms = code.count("extern_kernels.mm(") + code.count("torch.ops.mkldnn._linear_pointwise")
+    assert gemms == (1 if isa.native_bf16_gemm() else 2)
+    torch.testing.assert_close((a, b), module(x), atol=1e-2, rtol=1e-2)
 
 
 def test_uuid_covers_sources_version_and_config(tmp_path, monkeypatch):
