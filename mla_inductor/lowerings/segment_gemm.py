@@ -17,10 +17,10 @@ from . import frozen_value, huge_page_empty, realize_input
 VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX512-BF16
 AVX2_COLS = 16  # and without
 # Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
-# shape, 2 threads). With freezing, bf16 weights are packed at compile time and the template beats
-# oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each k-chunk then waits
-# for memory before the second row tile can reuse it); frozen weights it cannot pack (fp32, fp16,
-# no AVX512-BF16) run NT tiles, which only tie oneDNN at 8 rows. Without freezing, Inductor calls unpacked
+# shape, 2 threads). On an AVX512-BF16 CPU: with freezing, bf16 weights are packed at compile time and
+# the template beats oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each
+# k-chunk then waits for memory before the second row tile can reuse it); frozen weights it cannot pack
+# (fp32, fp16) run NT tiles, which only tie oneDNN at 8 rows. Without freezing, Inductor calls unpacked
 # mm, which the NT template beats up to 64 rows. The patterns consult this so that larger row counts
 # keep Inductor's own best path.
 MAX_ROWS_PACKED = 8
@@ -36,6 +36,11 @@ def can_pack(dtype: torch.dtype) -> bool:
 
 
 def template_wins(rows: int, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16 and not isa.native_bf16_gemm():
+        # Without a native bf16 GEMM, Inductor's bf16 mm runs ATen's at ~12 GFLOP/s at every row count,
+        # where the templates widen to fp32 FMAs: 33 GFLOP/s (NT tiles) and 47 (packed, frozen) at 16,
+        # 64 and 512 rows of the A-projections on an AVX2 EPYC at 64 GFLOP/s fp32 peak. No row limit.
+        return True
     if not inductor_config.freezing:
         return rows <= MAX_ROWS_UNFROZEN
     return rows <= (MAX_ROWS_PACKED if can_pack(dtype) else MAX_ROWS_FROZEN)
