@@ -6,6 +6,7 @@ works without importing this package first.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any, Mapping, Optional
 
@@ -49,16 +50,18 @@ def inductor_options(**own: Any) -> dict[str, Any]:
     return install_passes({}, mla_config.Config.from_options(own))
 
 
-def _concat_linear_is_slow_here(example_inputs) -> bool:
+def _concat_linear_is_slow_here(gm: torch.fx.GraphModule, example_inputs) -> bool:
     """Whether Inductor's concat-linear would make bf16 GEMMs of this graph crawl on this CPU.
 
     Under freezing, `cpp.enable_concat_linear` folds linears that share an input into one GEMM over a
     concatenated constant laid out [K, N]; without a native bf16 GEMM (no AVX512-BF16) that layout runs
     ATen's scalar fallback: two deepseek-v3-tp22 A-projection layers took 441 ms at 1 row and 29.8 s at
     64 rows with it, 6.1 ms and 285 ms without (frozen both; an AVX2 EPYC). Our own fusions read the
-    weights they fuse themselves; the option only matters to the GEMMs they leave to Inductor."""
+    weights they fuse themselves; the option only matters to the GEMMs they leave to Inductor. The
+    weights are graph inputs or, where Dynamo kept the module's attributes, the graph's own parameters."""
+    tensors = itertools.chain(example_inputs, gm.parameters(), gm.buffers())
     return not isa.native_bf16_gemm() and any(
-        isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in example_inputs
+        isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors
     )
 
 
@@ -78,7 +81,7 @@ def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Opti
             stacklevel=2,
         )
     concat = patches.get("cpp.enable_concat_linear", inductor_config.cpp.enable_concat_linear)
-    if concat and _concat_linear_is_slow_here(example_inputs):
+    if concat and _concat_linear_is_slow_here(gm, example_inputs):
         patches["cpp.enable_concat_linear"] = False
     install_passes(patches, config)
     previous = mla_config.set_active(config)

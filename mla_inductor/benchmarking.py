@@ -46,13 +46,22 @@ def _time_calls(fn: Callable[[], object], calls: int) -> list[float]:
 
 
 def interleaved_medians(
-    fns: Mapping[str, Callable[[], object]], rounds: int = 7, calls: int = 5, warmup: int = 2
+    fns: Mapping[str, Callable[[], object]], rounds: int = 7, calls: int = 5, warmup: int = 2,
+    budget_s: Optional[float] = None,
 ) -> dict[str, float]:
     """Median seconds per call of each fn, timed in interleaved rounds (order reversed every round)
-    so that a noisy neighbour or a frequency change hits every variant alike."""
+    so that a noisy neighbour or a frequency change hits every variant alike.
+
+    `budget_s` bounds the timing: where one call of every variant takes longer than the budget allows
+    (bf16 prefill where oneDNN has no native bf16 runs seconds per call), calls per round drop to
+    fit, down to one, and rounds to three; the warm-up then times the last of its calls."""
     names = list(fns)
-    for name in names:
-        _time_calls(fns[name], warmup)
+    warm = {name: _time_calls(fns[name], warmup)[-1] for name in names}
+    if budget_s is not None:
+        per_round = sum(warm.values())
+        calls = max(1, min(calls, int(budget_s / max(rounds * per_round, 1e-9))))
+        if rounds * calls * per_round > budget_s:
+            rounds = min(rounds, 3)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
