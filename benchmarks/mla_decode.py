@@ -93,7 +93,7 @@ def bench_hf(args):
     def step(token, cache, position):
         return model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
 
-    frozen = {"freezing": True, "cpp.enable_concat_linear": True}
+    frozen = benchmarking.frozen_options(torch.bfloat16)
     variants = {
         "eager": (step, False),
         "stock": (torch.compile(step), False),
@@ -112,7 +112,7 @@ def bench_hf(args):
     with torch.no_grad():
         logits = {}
         for name, (_, freeze) in variants.items():
-            with benchmarking.inference_freezing() if freeze else torch.no_grad():
+            with benchmarking.inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze else torch.no_grad():
                 logits[name] = call(name)
         fired = mla_inductor.fusion_counts()["mla_decode"]
         t = benchmarking.interleaved_medians({name: (lambda name=name: call(name)) for name in variants},

@@ -54,14 +54,18 @@ def interleaved_medians(
 
     `budget_s` bounds the timing: where one call of every variant takes longer than the budget allows
     (bf16 prefill where oneDNN has no native bf16 runs seconds per call), calls per round drop to
-    fit, down to one, and rounds to three; the warm-up then times the last of its calls."""
+    fit, down to one, and rounds to three, after a warm-up of one call (the one that is timed to decide).
+    The variants have run once before (their compile), so one warm-up call is past their first run."""
     names = list(fns)
-    warm = {name: _time_calls(fns[name], warmup)[-1] for name in names}
-    if budget_s is not None:
-        per_round = sum(warm.values())
-        calls = max(1, min(calls, int(budget_s / max(rounds * per_round, 1e-9))))
+    warm = {name: _time_calls(fns[name], 1)[0] for name in names}
+    per_round = sum(warm.values())
+    if budget_s is not None and rounds * calls * per_round > budget_s:
+        calls = max(1, int(budget_s / (rounds * per_round)))
         if rounds * calls * per_round > budget_s:
             rounds = min(rounds, 3)
+    else:
+        for name in names:
+            _time_calls(fns[name], warmup - 1)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in names if r % 2 == 0 else reversed(names):
@@ -116,6 +120,14 @@ def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 
     return flops / interleaved_medians({"mm": mm}, rounds=5, calls=3)["mm"]
 
 
+def frozen_options(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Stock Inductor's best freezing options for work in `dtype`: freezing with concat-linear, except
+    for bf16 where oneDNN has no native bf16 GEMM. There the concatenated weight ([K, N]) runs ATen's
+    scalar fallback, 80-90x slower than the linears apart (two A-projection layers: 441 ms against
+    6.1 ms at one row on an AVX2 EPYC), so stock at its best freezes without it."""
+    return {"freezing": True, "cpp.enable_concat_linear": dtype != torch.bfloat16 or isa.native_bf16_gemm()}
+
+
 @contextlib.contextmanager
 def inference_freezing(enable_concat_linear: bool = True):
     """Freezing for the traces and compiles inside the block.
@@ -137,7 +149,7 @@ def weight_stream_table(
     weight_bytes: Optional[int] = None,
 ) -> None:
     """Print, per row count, a projection stack's medians for eager, stock torch.compile, stock frozen
-    with concat-linear ("stock at its best" is the faster of the two) and mla_inductor (frozen and
+    (`frozen_options`: "stock at its best" is the faster of the two) and mla_inductor (frozen and
     not), against the roofline: the larger of the weight bytes at the copy bandwidth (timed as one
     more variant in the same interleaved rounds, so that it saw the same machine) and the FLOPs at
     best oneDNN GEMM throughput for bf16 on this CPU (`gemm_throughput`). `fusion` names the count to
@@ -151,7 +163,7 @@ def weight_stream_table(
     print(f"{isa.cpu_model()}, ISA {isa.host_isa()}; weights {weight_bytes / 2**20:.0f} MiB; read bandwidth "
           f"{read / 1e9:.1f} GB/s; oneDNN {str(isa.roof_gemm_dtype()).removeprefix('torch.')} GEMM "
           f"{gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
-    frozen = {"freezing": True, "cpp.enable_concat_linear": True}
+    frozen = frozen_options()
     copy, copy_bytes = copy_probe()
     print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "
           "| copy GB/s in the rounds | roofline: copy bw | roofline: read bw | weights GB/s | fired |")
@@ -168,7 +180,8 @@ def weight_stream_table(
         fns = {}
         mla_inductor.reset_counts()
         for name, (fn, freeze) in variants.items():
-            with torch.no_grad(), (inference_freezing() if freeze else contextlib.nullcontext()):
+            with torch.no_grad(), (inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
+                                   else contextlib.nullcontext()):
                 fn(*inputs)
             fns[name] = lambda fn=fn: fn(*inputs)
         fired = mla_inductor.fusion_counts()[fusion]

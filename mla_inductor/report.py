@@ -6,7 +6,8 @@ variant, and times all variants in one process, interleaved:
 - eager;
 - stock: `torch.compile` with default options;
 - stock-frozen: stock with `freezing=True` and `cpp.enable_concat_linear=True` (Inductor's own
-  q_a/kv_a concat); "stock at its best" is the faster of stock and stock-frozen, measured;
+  q_a/kv_a concat; without it for bf16 where oneDNN has no native bf16: `benchmarking.frozen_options`);
+  "stock at its best" is the faster of stock and stock-frozen, measured;
 - mla_inductor: `backend="mla_inductor"` with the same freezing options, so that the ratio to
   stock-frozen isolates this project's passes.
 
@@ -211,7 +212,7 @@ def compile_variant(variant: str, workload: Workload) -> tuple[Callable[[], obje
     # The frozen variants also pass the options explicitly: the global flag is what makes Dynamo
     # trace for freezing, and distinct options keep Dynamo from reusing the code compiled for
     # "stock" (backends that compare equal share cache entries).
-    frozen_options = {"freezing": True, "cpp.enable_concat_linear": True}
+    frozen_options = benchmarking.frozen_options(next(workload.module.parameters()).dtype)
     if variant == "eager":
         compiled = fn
     elif variant == "stock":
@@ -224,7 +225,8 @@ def compile_variant(variant: str, workload: Workload) -> tuple[Callable[[], obje
         raise ValueError(f"unknown variant {variant!r}")
     reset_counts()
     frozen = variant in ("stock-frozen", "mla_inductor")
-    with torch.no_grad(), (benchmarking.inference_freezing() if frozen else contextlib.nullcontext()):
+    with torch.no_grad(), (benchmarking.inference_freezing(frozen_options["cpp.enable_concat_linear"]) if frozen
+                           else contextlib.nullcontext()):
         workload.reset()
         compiled(*args)  # traces and compiles here; freezing must be on while tracing
     counts = {k: v for k, v in fusion_counts().items() if v} if variant == "mla_inductor" else {}
@@ -304,6 +306,7 @@ def to_markdown(report: dict) -> str:
         f"Measured in this run: copy bandwidth {m['copy_bandwidth_GBps']:.1f} GB/s (read stream "
         f"{m['read_bandwidth_GBps']:.1f} GB/s), oneDNN {m['gemm_dtype']} GEMM "
         f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}; {m['cpu']}, ISA {m['isa']}. "
+        f"stock-frozen: {', '.join(f'{k}={v}' for k, v in report['stock_frozen_options'].items())}. "
         "Roofline: the larger of "
         "(weights + KV cache read) / copy bandwidth (bound: memory) and FLOPs / GEMM throughput (bound: compute). "
         "Times are medians of interleaved rounds."
@@ -416,6 +419,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": args.dtype,
         "variants": list(args.variants),
+        "stock_frozen_options": benchmarking.frozen_options(dtype),
         "configs": {m: dataclasses.asdict(c) for m, c in configs.items()},
         "machine": {
             "copy_bandwidth_GBps": bandwidth / 1e9,
