@@ -13,10 +13,10 @@
 //   o     += p . V      -- p is rounded to bf16 and broadcast as (p_j, p_j+1) pairs, the V rows are
 //                          interleaved pairwise on the fly; o's columns come out permuted within each
 //                          32-column chunk (see paired_column) and are put back in order at the merge.
-// Otherwise (AVX2 CPUs, fp16, fp32) each block's rows are widened to fp32 once, into a thread's scratch
-// that both products then read from L1/L2 (every row is used by all heads twice: widening it in the
-// register tiles instead would redo the conversion once per head tile and per pass), and both products
-// are fp32 FMA register tiles sized to the vector register file (16 ymm registers on AVX2).
+// Otherwise (AVX2 CPUs, fp16, fp32) each row is widened to fp32 once, by the first head tile that reads
+// it, which also stores the copy in a thread's scratch; the other head tiles and the P.V pass read that
+// copy from L1/L2 (widening in every tile would redo the conversion once per head tile and per pass).
+// Both products are fp32 FMA register tiles sized to the vector register file (16 ymm on AVX2).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
