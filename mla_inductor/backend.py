@@ -51,18 +51,12 @@ def inductor_options(**own: Any) -> dict[str, Any]:
 
 
 def _concat_linear_is_slow_here(gm: torch.fx.GraphModule, example_inputs) -> bool:
-    """Whether Inductor's concat-linear would make bf16 GEMMs of this graph crawl on this CPU.
-
-    Under freezing, `cpp.enable_concat_linear` folds linears that share an input into one GEMM over a
-    concatenated constant laid out [K, N]; without a native bf16 GEMM (no AVX512-BF16) that layout runs
-    ATen's scalar fallback: two deepseek-v3-tp22 A-projection layers took 441 ms at 1 row and 29.8 s at
-    64 rows with it, 6.1 ms and 285 ms without (frozen both; an AVX2 EPYC). Our own fusions read the
-    weights they fuse themselves; the option only matters to the GEMMs they leave to Inductor. The
-    weights are graph inputs or, where Dynamo kept the module's attributes, the graph's own parameters."""
+    """Whether the graph holds bf16 tensors where concat-linear is slow (`isa.concat_linear_is_slow`).
+    Our own fusions read the weights they fuse themselves; the option only matters to the GEMMs they
+    leave to Inductor. The weights are graph inputs or, where Dynamo kept the module's attributes, the
+    graph's own parameters."""
     tensors = itertools.chain(example_inputs, gm.parameters(), gm.buffers())
-    return not isa.native_bf16_gemm() and any(
-        isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 for t in tensors
-    )
+    return any(isinstance(t, torch.Tensor) and isa.concat_linear_is_slow(t.dtype) for t in tensors)
 
 
 def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):

@@ -122,10 +122,8 @@ def gemm_throughput(dtype: torch.dtype = torch.bfloat16, m: int = 512, n: int = 
 
 def frozen_options(dtype: torch.dtype = torch.bfloat16) -> dict:
     """Stock Inductor's best freezing options for work in `dtype`: freezing with concat-linear, except
-    for bf16 where oneDNN has no native bf16 GEMM. There the concatenated weight ([K, N]) runs ATen's
-    scalar fallback, 80-90x slower than the linears apart (two A-projection layers: 441 ms against
-    6.1 ms at one row on an AVX2 EPYC), so stock at its best freezes without it."""
-    return {"freezing": True, "cpp.enable_concat_linear": dtype != torch.bfloat16 or isa.native_bf16_gemm()}
+    where that makes its GEMMs crawl (`isa.concat_linear_is_slow`)."""
+    return {"freezing": True, "cpp.enable_concat_linear": not isa.concat_linear_is_slow(dtype)}
 
 
 @contextlib.contextmanager

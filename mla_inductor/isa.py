@@ -25,7 +25,6 @@ LEVELS = ("default", "avx2", "avx512f", "avx512_bf16", "amx")
 # gcc -march names this project knows the level of; any other explicit target counts as "default"
 # (only the portable kernels are offered for it).
 _MARCH_LEVELS = {
-    "native": None,  # the host's
     "x86-64": "default",
     "x86-64-v2": "default",
     "x86-64-v3": "avx2",
@@ -92,6 +91,14 @@ def native_bf16_gemm() -> bool:
     """Whether oneDNN has a native bf16 GEMM here: without AVX512-BF16 a bf16 `torch.mm` runs a scalar
     fallback (0.3-1 GFLOP/s on an AVX2 EPYC), and bf16 work is done widened to fp32."""
     return at_least("avx512_bf16", host_isa())
+
+
+def concat_linear_is_slow(dtype: torch.dtype) -> bool:
+    """Whether Inductor's concat-linear (freezing) makes GEMMs in `dtype` crawl here: it folds linears that
+    share an input into one constant laid out [K, N], which for bf16 without a native bf16 GEMM runs
+    ATen's scalar fallback: two deepseek-v3-tp22 A-projection layers took 441 ms at 1 row and 29.8 s at
+    64 rows with it, 6.1 ms and 285 ms without (frozen both; an AVX2 EPYC)."""
+    return dtype == torch.bfloat16 and not native_bf16_gemm()
 
 
 def roof_gemm_dtype(dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
