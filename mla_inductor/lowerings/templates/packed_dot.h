@@ -137,11 +137,6 @@ constexpr int64_t kPackedChunk = 256;
 
 constexpr int64_t packed_block_elems(int64_t K) { return K * kPackedCols; }
 
-__attribute__((always_inline)) inline __m256 widen_bf16x8(const c10::BFloat16* p) {
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-
 // acc[MR][2] (in memory: out rows, or zero when first) += xf[:, 0:k1-k0) . block[k0..k1), xf holding the
 // row tile's x chunk in fp32 (rows kPackedChunk apart).
 template <int MR>

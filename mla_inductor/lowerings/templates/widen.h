@@ -9,11 +9,19 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace mla_inductor {
+
+#if defined(__AVX2__)
+// Eight bf16 widened to fp32: a bf16 is the high half of an fp32.
+__attribute__((always_inline)) inline __m256 widen_bf16x8(const c10::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 // One whole vector of T widened to fp32. bf16 is the high half of an fp32 (zero-extend, shift by 16),
 // fp16 goes through F16C. ATen's Vectorized<BFloat16> holds twice the lanes of a Vectorized<float>, so
@@ -32,8 +40,7 @@ inline at::vec::Vectorized<float> load_floats(const T* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(CPU_CAPABILITY_AVX2)
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+    return widen_bf16x8(p);
   } else if constexpr (std::is_same_v<T, c10::Half>) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #endif
