@@ -95,7 +95,7 @@ def test_fused_weight_variant_equals_separate_weights():
 def test_compiled_runs_the_templates_and_matches_the_reference():
     fn = torch.compile(op)
     outputs, (code,) = run_and_get_code(call, fn, 1)
-    assert "mi::nt_task" in code and "mi::absorb_row" in code, "the qkv_a_proj and q_b_absorb templates"
+    assert "mi::nt_task" in code and "mi::absorb_head" in code, "the qkv_a_proj and q_b_absorb templates"
     assert "torch.ops.mla" not in code, "no fallback to an eager op"
     assert_matches_per_stage_reference(outputs, 1)
     assert_matches_per_stage_reference(call(fn, 8, seed=8), 8, seed=8)  # recompiles: Dynamo specializes a size of 1
