@@ -4,9 +4,11 @@ V caches (134 MB per layer) exceed the L3.
 
 The two spellings transformers compiles (`repeat_kv` before SDPA when there is a mask, `enable_gqa` when
 there is none), eager and compiled by stock torch.compile and by mla_inductor, against eager's packed
-form (what transformers runs eagerly) and the copy bandwidth timed in the same interleaved rounds. The
-mask admits three quarters of the rows (a StaticCache three quarters full): the roofline is those rows'
-keys and values at the copy bandwidth, the bytes any kernel must read. Prints medians; asserts nothing.
+form (what transformers runs eagerly), with the copy bandwidth and the best GEMM throughput of this CPU
+(`benchmarking.gemm_probe`) timed in the same interleaved rounds. The mask admits three quarters of the
+rows (a StaticCache three quarters full): the roofline is the larger of those rows' keys and values at
+the copy bandwidth (the bytes any kernel must read) and the FLOPs over them at the GEMM throughput.
+Prints medians; asserts nothing.
 
     python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096]
 """
@@ -16,7 +18,7 @@ import argparse
 import torch
 
 import mla_inductor
-from mla_inductor import benchmarking
+from mla_inductor import benchmarking, isa
 from mla_inductor.ops.gqa_decode import packed_attention  # eager transformers' form (pack_gqa)
 # The pattern's search functions are the model code: repeat_kv, enable_gqa.
 from mla_inductor.patterns.gqa_decode import grouped, repeated
@@ -58,6 +60,7 @@ def main():
         "mla_inductor, enable_gqa": stack(torch.compile(grouped, backend="mla_inductor", dynamic=False)),
     }
     copy, copy_bytes = benchmarking.copy_probe()
+    gemm, gemm_flops = benchmarking.gemm_probe(dtype)
     mla_inductor.reset_counts()
     with torch.no_grad():
         expected = variants["eager, packed"]()
@@ -67,19 +70,24 @@ def main():
             for a, b in zip(fn(), expected)
         )
         fired = mla_inductor.fusion_counts()["gqa_decode"]
-        t = benchmarking.interleaved_medians({**variants, "copy": copy}, rounds=args.rounds, calls=2)
-    bandwidth = copy_bytes / t["copy"]
+        t = benchmarking.interleaved_medians({**variants, "copy": copy, "gemm": gemm}, rounds=args.rounds, calls=2)
+    bandwidth, throughput = copy_bytes / t["copy"], gemm_flops / t["gemm"]
     cache_bytes = 2 * args.layers * caches[0][0].numel() * caches[0][0].element_size()
     admitted_bytes = cache_bytes * admitted // args.context
+    flops = 2 * args.layers * args.batch * HEADS * admitted * 2 * HEAD_DIM  # q.K and p.V
+    roofline = max(admitted_bytes / bandwidth, flops / throughput)
     print(f"\n## B={args.batch}, {HEADS} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
           f"({admitted} admitted by the mask), bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB "
-          f"of K and V; fired {fired}/2; max |variant - eager packed| {error:.3g}; copy {bandwidth / 1e9:.1f} GB/s "
-          f"in the rounds; roofline {admitted_bytes / bandwidth * 1e3:.1f} ms")
+          f"of K and V; fired {fired}/2; max |variant - eager packed| {error:.3g}; in the rounds copy "
+          f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_dtype(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "
+          f"roofline {roofline * 1e3:.1f} ms = max({admitted_bytes / bandwidth * 1e3:.1f} ms of K and V read, "
+          f"{flops / throughput * 1e3:.1f} ms for {flops / 1e9:.2f} GFLOP); {isa.cpu_model()}, ISA {isa.host_isa()}, "
+          f"threads {torch.get_num_threads()}")
     print("| variant | ms | x eager packed | % of roofline |")
     print("|---|---|---|---|")
     for name in variants:
         print(f"| {name} | {t[name] * 1e3:.1f} | {t['eager, packed'] / t[name]:.2f} | "
-              f"{admitted_bytes / bandwidth / t[name]:.0%} |")
+              f"{roofline / t[name]:.0%} |")
 
 
 if __name__ == "__main__":
