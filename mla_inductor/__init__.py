@@ -4,14 +4,13 @@
     torch.compile(model, options=mla_inductor.inductor_options())     # same passes, stock backend
 """
 
-__version__ = "0.1.0"
-
 from . import ops  # noqa: F401  (registers the mla:: ops; cached artefacts call them)
 from . import lowerings  # noqa: F401  (registers their Inductor lowerings)
 from .backend import inductor_options, mla_inductor_backend as backend
-from .config import FUSIONS
-from .explain import Explanation, explain, fusion_counts, reset_counts
+from .config import FUSIONS, VERSION as __version__
+from .explain import Explanation, explain
 from .passes import MLAPass
+from .record import fusion_counts, reset_counts
 
 __all__ = [
     "FUSIONS",

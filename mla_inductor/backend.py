@@ -12,6 +12,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 from torch._inductor import config as inductor_config
+from torch._inductor import list_mode_options
+from torch._inductor.compile_fx import compile_fx
 from torch._inductor.custom_graph_pass import get_custom_graph_passes
 
 from . import config as mla_config
@@ -60,9 +62,6 @@ def _concat_linear_is_slow_here(gm: torch.fx.GraphModule, example_inputs) -> boo
 
 
 def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
-    from torch._inductor import list_mode_options
-    from torch._inductor.compile_fx import compile_fx
-
     own_options, config = split_options(options)
     patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
     patches.update(own_options)

@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 
-from . import isa
+from . import isa, record
 
 
 def fresh_compiles() -> None:
@@ -152,8 +152,6 @@ def weight_stream_table(
     more variant in the same interleaved rounds, so that it saw the same machine) and the FLOPs at
     best oneDNN GEMM throughput for bf16 on this CPU (`gemm_throughput`). `fusion` names the count to
     report; `weight_bytes` are the bytes a call must read (default: all of the model's parameters)."""
-    import mla_inductor
-
     if weight_bytes is None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     read = read_bandwidth()
@@ -176,13 +174,13 @@ def weight_stream_table(
             "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), True),
         }
         fns = {}
-        mla_inductor.reset_counts()
+        record.reset_counts()
         for name, (fn, freeze) in variants.items():
             with torch.no_grad(), (inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
                                    else contextlib.nullcontext()):
                 fn(*inputs)
             fns[name] = lambda fn=fn: fn(*inputs)
-        fired = mla_inductor.fusion_counts()[fusion]
+        fired = record.fusion_counts()[fusion]
         fns["copy"] = copy
         with torch.no_grad():
             t = interleaved_medians(fns, rounds=rounds, calls=5)

@@ -11,6 +11,8 @@ import dataclasses
 from typing import Any, Mapping
 
 # Public fusion names (see docs/DESIGN.md); `fusion_counts()` reports them in this order.
+VERSION = "0.1.0"  # the package's version (pyproject.toml), part of MLAPass.uuid
+
 FUSIONS = (
     "qkv_a_proj",
     "rmsnorm",

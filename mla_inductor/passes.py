@@ -14,19 +14,15 @@ import pathlib
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._inductor.pattern_matcher import PatternMatcherPass, stable_topological_sort
+from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import config as mla_config
+from . import record
+from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, register_all
 
-STAGES = ("joint", "post_grad")
-_PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
 _MAX_ROUNDS = 3
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".hpp", ".j2", ".jinja"}
-
-
-def pattern_pass(stage: str) -> PatternMatcherPass:
-    return _PASSES[stage]
 
 
 def source_hash() -> str:
@@ -52,11 +48,8 @@ class MLAPass(CustomGraphPass):
         self.config = config or mla_config.Config()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from .patterns import register_all
-        from .patterns.qkv_proj_with_rope import count_whole_chains
-        from .patterns.rope import merge_into_qkv_a_proj
-
         register_all()
+        record.begin_stage(self.stage)
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
@@ -64,7 +57,7 @@ class MLAPass(CustomGraphPass):
         # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):
-            if not _PASSES[self.stage].apply(graph):
+            if not pattern_pass(self.stage).apply(graph):
                 break
             changed = True
         if self.config.enabled("rope") and self.config.enabled("qkv_a_proj"):
@@ -79,9 +72,7 @@ class MLAPass(CustomGraphPass):
             graph.eliminate_dead_code()
 
     def uuid(self) -> str:
-        from . import __version__
-
-        return f"mla_inductor-{__version__}-{self.stage}-{source_hash()}-{self.config!r}"
+        return f"mla_inductor-{mla_config.VERSION}-{self.stage}-{source_hash()}-{self.config!r}"
 
     def __repr__(self) -> str:
         return f"MLAPass({self.stage!r})"

@@ -33,7 +33,8 @@ from typing import Callable, Optional
 
 import torch
 
-from . import benchmarking, fusion_counts, isa, reset_counts
+from . import benchmarking, isa
+from .record import fusion_counts, reset_counts
 from .models import build_model, get_config, make_block_tables, weight_bytes
 from .models.configs import MLAConfig
 
@@ -130,7 +131,7 @@ def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: in
 
 
 def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
-    from .models.hf import build_hf_model
+    from .models.hf import build_hf_model  # needs transformers, which only the hf cases do
 
     model = build_hf_model(config, arch="v3", dtype=dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed)

@@ -11,7 +11,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, guard_ints, realize_input
+from .template import FusedOpTemplate, guard_ints, realize_input
 
 OP = torch.ops.mla.gqa_decode_attention.default
 

@@ -9,7 +9,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .. import config as mla_config
-from . import FusedOpTemplate, guard_ints, realize_input
+from .template import FusedOpTemplate, guard_ints, realize_input
 from .segment_gemm import packed_weights
 
 OP = torch.ops.mla.qkv_projection.default

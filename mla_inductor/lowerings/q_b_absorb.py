@@ -9,7 +9,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .. import config as mla_config
-from . import FusedOpTemplate, cpp_rope_style, realize_input
+from .template import FusedOpTemplate, cpp_rope_style, realize_input
 from .segment_gemm import frozen_values, packed_constant
 
 OP = torch.ops.mla.q_b_absorb.default

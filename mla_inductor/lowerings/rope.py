@@ -11,7 +11,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from . import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input
+from .template import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input
 
 OP = torch.ops.mla.rotary_embedding.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -12,7 +12,7 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from .. import isa
-from . import frozen_value, huge_page_empty, realize_input
+from .template import frozen_value, huge_page_empty, realize_input
 
 VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX512-BF16
 AVX2_COLS = 16  # and without

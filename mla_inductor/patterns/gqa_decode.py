@@ -27,7 +27,7 @@ from torch.fx.operator_schemas import normalize_function
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.gqa_decode import check_args
-from . import node_value, register_fusion
+from .registry import node_value, register_fusion
 
 FUSION = "gqa_decode"
 _SCALE = 0.0625  # a magic value: the literal becomes the argument

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
-from . import node_value, register_fusion, size_hint
+from .registry import node_value, register_fusion, size_hint
 
 FUSION = "gqa_qkv"
 _EPS_WORKAROUND = {"eps": 3.25e-6}  # a distinct magic value: the literal becomes the argument

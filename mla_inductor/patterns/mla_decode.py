@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
-from . import node_value, register_fusion, upcast
+from .registry import node_value, register_fusion, upcast
 
 FUSION = "mla_decode"
 # Magic values the traced patterns turn back into arguments (distinct from every size and literal).

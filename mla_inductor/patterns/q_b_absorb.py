@@ -23,7 +23,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
-from . import node_value, register_fusion, size_hint
+from .registry import node_value, register_fusion, size_hint
 from .rope import gptj_upcast
 
 FUSION = "q_b_absorb"

@@ -22,7 +22,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from . import node_value, register_fusion, size_hint
+from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
 # Distinct magic eps values: each literal in a traced pattern becomes the argument it stands for.

@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from ..explain import record_fired
+from ..record import record_fired
 
 FUSION = "qkv_proj_with_rope"
 _Q_B_ABSORB = torch.ops.mla.q_b_absorb.default

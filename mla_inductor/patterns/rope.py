@@ -30,7 +30,7 @@ import torch
 from torch._inductor.pattern_matcher import Match
 
 from ..ops.rope import check_apply_args
-from . import node_value, register_fusion, upcast
+from .registry import node_value, register_fusion, upcast
 
 FUSION = "rope"
 aten, prims = torch.ops.aten, torch.ops.prims

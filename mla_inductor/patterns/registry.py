@@ -1,0 +1,118 @@
+"""What the fusion modules share: the pattern pass of each MLAPass stage, `register_fusion`, and
+helpers for checks.
+
+`register_fusion` traces a search function once per stage (joint graphs keep `aten.view`, post-grad
+graphs have `aten.reshape`) and wraps its check so that every accepted or rejected candidate is
+counted and explained (record.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch._inductor.fx_passes.post_grad import view_to_reshape
+from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_replacement
+
+from ..record import checked
+
+STAGES = ("joint", "post_grad")
+_PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
+
+
+def pattern_pass(stage: str) -> PatternMatcherPass:
+    return _PASSES[stage]
+
+
+def node_value(arg):
+    """A matched argument's value: the example (fake) tensor behind a graph node, or the literal."""
+    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
+
+
+def size_hint(size) -> int:
+    """A size's value, or the example value of a dynamic size (a SymInt)."""
+    return size.node.hint if isinstance(size, torch.SymInt) and size.node.has_hint() else int(size)
+
+
+def upcast(x):
+    """x in fp32 (or wider): how model code widens bf16 activations before softmax or RoPE."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
+    """`scalar_tensor(v)` -> `full([], v)`: the joint graph's constant folding has already done this to
+    the graphs we match (a masked_fill's fill value, for one), the plain trace of a pattern has not."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.target is aten.scalar_tensor.default:
+            with gm.graph.inserting_before(node):
+                full = gm.graph.call_function(
+                    aten.full.default,
+                    ([], node.args[0]),
+                    {
+                        "dtype": node.kwargs.get("dtype"),
+                        "layout": torch.strided,
+                        "device": node.kwargs.get("device"),
+                        "pin_memory": False,
+                    },
+                )
+            full.meta.update(node.meta)
+            node.replace_all_uses_with(full)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def trace_for_stage(stage: str) -> Callable:
+    """How a search function becomes a pattern graph for `stage`."""
+
+    def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+        gm = fwd_only(fn, *args, **kwargs)
+        if stage == "post_grad":
+            view_to_reshape(gm)
+        _scalar_tensor_to_full(gm)
+        return gm
+
+    return trace
+
+
+def register_fusion(
+    fusion: str,
+    search_fn: Callable,
+    replace_fn: Callable,
+    example_inputs: Sequence[Any],
+    check: Callable[[Match], Optional[str]],
+    stages: Sequence[str] = STAGES,
+    size_agnostic: bool = False,
+    functionalize: bool = False,
+    **kwargs: Any,
+) -> None:
+    """Register `search_fn -> replace_fn` in the given MLAPass stages; `check` returns a rejection reason or None.
+
+    `functionalize`: a search function that writes in place (`key[..., :n].copy_(k)`) must be traced
+    functionalized, as the matched graphs are; a plain trace keeps the in-place op and loses the data
+    dependency through it. (Only the search function: the replacement may call ops that mutate.)
+
+    `size_agnostic` skips the strict re-trace with the match's real shapes (needed where dynamic
+    sizes appear in mixed spellings); `check` must then verify the literals itself.
+    """
+    if functionalize:
+        search_fn = functools.wraps(search_fn)(torch.func.functionalize(search_fn))
+    for stage in stages:
+        trace = trace_for_stage(stage)
+        if size_agnostic:
+            # exclusive_arg_names only takes effect where the pattern is generated: pass it here too
+            kwargs["search_fn_pattern"] = gen_pattern(
+                search_fn, list(example_inputs), trace, kwargs.get("scalar_workaround"),
+                kwargs.get("exclusive_arg_names", ()),
+            )
+        register_replacement(
+            search_fn,
+            replace_fn,
+            list(example_inputs),
+            trace,
+            pattern_pass(stage),
+            extra_check=checked(fusion, stage, check),
+            **kwargs,
+        )
+

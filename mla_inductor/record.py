@@ -1,0 +1,135 @@
+"""The record of what the fusions did: counts for `fusion_counts()`, events for `explain()`.
+
+Every fusion's `extra_check` goes through `checked()`: a check returns None to accept or a sentence
+saying which precondition failed. Both kinds are recorded as events with the module path of the
+matched nodes; accepted ones are also counted.
+
+The counts live in `counters["inductor"]` under `mla_inductor.<fusion>`, because Inductor replays
+what a compile added there when it serves that compile from its FX-graph or AOTAutograd cache
+(`CompiledFxGraph.counter_deltas`); a cache hit runs no pass, and counts kept anywhere else would stay
+0 although the code served is fused. Only what is added while Inductor compiles the graph
+(`codegen_and_compile`, where the post-grad pass runs) is replayed: the joint-graph stage runs before
+that window (and not at all on an AOTAutograd cache hit), so its fusions are held back and counted
+when the post-grad stage of the same compile starts (`begin_stage`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Optional
+
+from torch._dynamo.utils import counters
+from torch._inductor.pattern_matcher import Match
+
+from . import config as mla_config
+
+_COUNTER_PREFIX = "mla_inductor."
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    fusion: str
+    where: str  # module path of the matched nodes ("" when the graph carries none)
+    node: str  # name of the match's output node in its graph
+    stage: str
+    reason: Optional[str] = None  # None: fired
+
+    @property
+    def fired(self) -> bool:
+        return self.reason is None
+
+
+_events: list[Event] = []
+_held_back: list[str] = []  # fusions of this compile's joint stage, counted when its post-grad stage starts
+
+
+def events_since(start: int) -> list[Event]:
+    return _events[start:]
+
+
+def event_count() -> int:
+    return len(_events)
+
+
+def fusion_counts() -> dict[str, int]:
+    """How many subgraphs each fusion replaced since the last `reset_counts()`, by public name,
+    whether the compiles ran or were served from Inductor's caches."""
+    recorded = counters["inductor"]
+    return {name: recorded[_COUNTER_PREFIX + name] for name in mla_config.FUSIONS}
+
+
+def reset_counts() -> None:
+    for name in mla_config.FUSIONS:
+        counters["inductor"].pop(_COUNTER_PREFIX + name, None)
+    _events.clear()
+    _held_back.clear()
+
+
+def begin_stage(stage: str) -> None:
+    """Called by MLAPass before it runs a stage of a compile (see the module's docstring)."""
+    if stage == "joint":
+        _held_back.clear()  # left by a compile whose post-grad stage never ran (a cache hit)
+    else:
+        for fusion in _held_back:
+            counters["inductor"][_COUNTER_PREFIX + fusion] += 1
+        _held_back.clear()
+
+
+def _count(fusion: str, stage: str) -> None:
+    if stage == "joint":
+        _held_back.append(fusion)
+    else:
+        counters["inductor"][_COUNTER_PREFIX + fusion] += 1
+
+
+def record_fired(fusion: str, where: str, node: str, stage: str) -> None:
+    """Count a fusion found by a graph walk rather than by a pattern's check."""
+    _events.append(Event(fusion, where, node, stage))
+    _count(fusion, stage)
+
+
+def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) -> Callable[[Match], bool]:
+    """Turn `check(match) -> reason | None` into an `extra_check` that records and counts."""
+
+    def extra_check(match: Match) -> bool:
+        if not mla_config.active().enabled(fusion):
+            return False
+        reason = check(match)
+        output = match.output_node()
+        _events.append(Event(fusion, _module_path(match), output.name, stage, reason))
+        if reason is None:
+            # The matcher applies the replacement right after a successful extra_check.
+            _count(fusion, stage)
+            return True
+        return False
+
+    return extra_check
+
+
+def _module_path(match: Match) -> str:
+    """Longest common module path of the matched nodes, e.g. `model.layers.0.self_attn`."""
+    paths = []
+    for node in match.nodes:
+        stack = node.meta.get("nn_module_stack")
+        if stack:
+            raw = list(stack.values())[-1][0]
+            paths.append(_normalize_module_path(raw).split("."))
+    if not paths:
+        return ""
+    common = paths[0]
+    for path in paths[1:]:
+        n = 0
+        while n < min(len(common), len(path)) and common[n] == path[n]:
+            n += 1
+        common = common[:n]
+    return ".".join(common)
+
+
+def _normalize_module_path(raw: str) -> str:
+    # Dynamo spells paths as source expressions: L['self'].model.layers[0]._modules['q_a_proj']
+    path = re.sub(r"^[LG]\['[^']*'\]\.?", "", raw)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']*)'\]", r".\1", path)
+    return path.strip(".")

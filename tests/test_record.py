@@ -1,0 +1,114 @@
+"""The record of fusions: the package imports without cycles, and fusion_counts() says the same whether
+Inductor compiled the graph or served it from its caches."""
+
+import ast
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import mla_inductor
+
+PACKAGE_DIR = pathlib.Path(mla_inductor.__file__).parent
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports anywhere in its body (functions included, so that an
+    import moved into a function to hide a cycle still counts)."""
+    modules = {module_name(p): p for p in PACKAGE_DIR.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names if alias.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in node.names:
+                    # `from pkg import mod` imports the submodule; `from pkg import name` runs pkg/__init__
+                    target = f"{base}.{alias.name}"
+                    edges.add(target if target in modules else base)
+        graph[name] = {m for m in edges if m in modules and m != name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for succ in sorted(graph[node]):
+            if state.get(succ) == "open":
+                return stack[stack.index(succ):] + [succ]
+            if succ not in state and (cycle := visit(succ)):
+                return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_package_imports_without_cycles():
+    graph = package_imports()
+    # A package's __init__ imports its modules; a module importing a name from its own package's
+    # __init__ would close a loop, and so would any of the layers importing upwards.
+    assert graph["mla_inductor.explain"] >= {"mla_inductor.backend", "mla_inductor.record"}
+    assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
+
+
+def test_the_layers_read_one_way():
+    graph = package_imports()
+    below = {"mla_inductor.record": {"mla_inductor.config"}}
+    assert graph["mla_inductor.record"] <= below["mla_inductor.record"]
+    upper = {"mla_inductor.backend", "mla_inductor.explain", "mla_inductor.report", "mla_inductor.passes"}
+    for name, edges in graph.items():
+        if name.startswith(("mla_inductor.patterns", "mla_inductor.lowerings", "mla_inductor.ops")):
+            assert not edges & upper, f"{name} imports {edges & upper}"
+
+
+# One decoder layer of transformers' Llama: fires rope, gqa_qkv (the joint-graph stage, counted when the
+# post-grad stage of the same compile starts) in a compile small enough to run twice.
+_COMPILE_AND_COUNT = """
+import json, torch, transformers
+from torch._dynamo.utils import counters
+import mla_inductor
+
+config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+torch.manual_seed(0)
+model = transformers.LlamaForCausalLM(config).eval()
+with torch.no_grad():
+    torch.compile(model, backend="mla_inductor")(torch.arange(8)[None])
+print(json.dumps({"fusions": mla_inductor.fusion_counts(),
+                  "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]}))
+"""
+
+
+def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_cache(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FORCE_DISABLE_CACHES="0")
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", _COMPILE_AND_COUNT], env=env, capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    compiled, served = run(), run()
+    assert compiled["cache_hits"] == 0 and served["cache_hits"] > 0, (compiled, served)
+    assert compiled["fusions"]["rope"] > 0 and compiled["fusions"]["gqa_qkv"] > 0, compiled
+    assert served["fusions"] == compiled["fusions"]
