@@ -10,7 +10,8 @@ what a compile added there when it serves that compile from its FX-graph or AOTA
 0 although the code served is fused. Only what is added while Inductor compiles the graph
 (`codegen_and_compile`, where the post-grad pass runs) is replayed: the joint-graph stage runs before
 that window (and not at all on an AOTAutograd cache hit), so its fusions are held back and counted
-when the post-grad stage of the same compile starts (`begin_stage`).
+when the post-grad stage of the same compile starts (`begin_stage`). MLAPass installed in the joint
+slot alone (the backend and `inductor_options()` install both) therefore counts nothing.
 """
 
 from __future__ import annotations

@@ -227,8 +227,8 @@ constexpr int kPvVecsFp32 = 2;  // vectors of columns per P.V tile
 // kDirectRows rows (on AVX2 3 rows fit the registers too, but measured no faster). Then every row is read
 // by one tile only, and both products widen it straight from the cache: the fp32 copy in scratch, which
 // pays for itself by serving the other head tiles, would only cost a store and a reload (the block's
-// copies overflow L1). benchmarks/gqa_decode.py on a Zen 1 EPYC: 30.5 -> 24.3 ms with the value rows
-// prefetched by the score pass.
+// copies overflow L1). benchmarks/gqa_decode.py on a Zen 1 EPYC: 30.0 -> 22.4 ms, with the value rows
+// prefetched by the score pass (which the copy into scratch used to do).
 constexpr int kDirectHeads = 4;
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kDirectRows = 4;
