@@ -79,10 +79,9 @@ def main():
     print(f"\n## B={args.batch}, {HEADS} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
           f"({admitted} admitted by the mask), bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB "
           f"of K and V; fired {fired}/2; max |variant - eager packed| {error:.3g}; in the rounds copy "
-          f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_dtype(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "
+          f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_name(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "
           f"roofline {roofline * 1e3:.1f} ms = max({admitted_bytes / bandwidth * 1e3:.1f} ms of K and V read, "
-          f"{flops / throughput * 1e3:.1f} ms for {flops / 1e9:.2f} GFLOP); {isa.cpu_model()}, ISA {isa.host_isa()}, "
-          f"threads {torch.get_num_threads()}")
+          f"{flops / throughput * 1e3:.1f} ms for {flops / 1e9:.2f} GFLOP); {benchmarking.machine_line()}")
     print("| variant | ms | x eager packed | % of roofline |")
     print("|---|---|---|---|")
     for name in variants:

@@ -49,7 +49,7 @@ def bench_kernel(args):
     # this machine's copy bandwidth and GEMM throughput move by 20-50% from minute to minute.
     copy, copy_bytes = benchmarking.copy_probe()
     gemm, gemm_flops = benchmarking.gemm_probe(dtype)
-    gemm_dtype = str(isa.roof_gemm_dtype(dtype)).removeprefix("torch.")
+    gemm_dtype = isa.roof_gemm_name(dtype)
     with torch.no_grad():
         outs = {name: fn(q, caches, block_tables, seq_lens, w_vcs) for name, fn in variants.items()}
         fired = mla_inductor.fusion_counts()["mla_decode"]
@@ -137,7 +137,7 @@ def main():
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     benchmarking.fresh_compiles()
-    print(f"{isa.cpu_model()}, ISA {isa.host_isa()}; threads {torch.get_num_threads()}")
+    print(benchmarking.machine_line())
     if "kernel" in args.part:
         bench_kernel(args)
     if "hf" in args.part:

@@ -18,6 +18,11 @@ import torch
 from . import isa, record
 
 
+def machine_line() -> str:
+    """The CPU, its ISA and the threads: every benchmark's table names what it was measured on."""
+    return f"{isa.cpu_model()}, ISA {isa.host_isa()}; threads {torch.get_num_threads()}"
+
+
 def fresh_compiles() -> None:
     """Every variant x shape of a benchmark is its own compile of the same code object: keep Dynamo from
     falling back to eager past its recompile limit, and keep Inductor's caches from serving an earlier
@@ -156,9 +161,8 @@ def weight_stream_table(
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     read = read_bandwidth()
     gemm = gemm_throughput()
-    print(f"{isa.cpu_model()}, ISA {isa.host_isa()}; weights {weight_bytes / 2**20:.0f} MiB; read bandwidth "
-          f"{read / 1e9:.1f} GB/s; oneDNN {str(isa.roof_gemm_dtype()).removeprefix('torch.')} GEMM "
-          f"{gemm / 1e9:.0f} GFLOP/s; threads {torch.get_num_threads()}")
+    print(f"{machine_line()}; weights {weight_bytes / 2**20:.0f} MiB; read bandwidth {read / 1e9:.1f} GB/s; "
+          f"oneDNN {isa.roof_gemm_name()} GEMM {gemm / 1e9:.0f} GFLOP/s")
     frozen = frozen_options()
     copy, copy_bytes = copy_probe()
     print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "

@@ -109,3 +109,8 @@ def roof_gemm_dtype(dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
     if dtype == torch.float16:  # the kernels widen fp16 to fp32 (F16C) on every CPU
         return torch.float32
     return dtype
+
+
+def roof_gemm_name(dtype: torch.dtype = torch.bfloat16) -> str:
+    """`roof_gemm_dtype` as tables and the report's JSON name it ("float32")."""
+    return str(roof_gemm_dtype(dtype)).removeprefix("torch.")

@@ -426,7 +426,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             "copy_bandwidth_GBps": bandwidth / 1e9,
             "read_bandwidth_GBps": read / 1e9,
             "gemm_GFLOPs": gemm / 1e9,
-            "gemm_dtype": str(isa.roof_gemm_dtype(dtype)).removeprefix("torch."),
+            "gemm_dtype": isa.roof_gemm_name(dtype),
             "isa": isa.host_isa(),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

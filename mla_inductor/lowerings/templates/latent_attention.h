@@ -16,6 +16,8 @@
 // Otherwise (AVX2 CPUs, fp16, fp32) each row is widened to fp32 once, by the first head tile that reads
 // it, which also stores the copy in a thread's scratch; the other head tiles and the P.V pass read that
 // copy from L1/L2 (widening in every tile would redo the conversion once per head tile and per pass).
+// Heads that fit one score tile (a grouped-query group) need no copy: both products widen straight from
+// the cache (widens_from_cache).
 // Both products are fp32 FMA register tiles sized to the vector register file (16 ymm on AVX2).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
@@ -235,6 +237,8 @@ constexpr int kDirectRows = 4;
 #else
 constexpr int kDirectRows = 2;
 #endif
+// Whether the portable kernels for H heads widen straight from the cache (no fp32 copies of the rows).
+constexpr bool widens_from_cache(int H) { return H <= kDirectHeads; }
 
 // Value rows for the P.V tiles: fp32 rows `ld` apart; a block's cache rows (`const T* const*`) serve as is.
 struct StridedRows {
@@ -630,7 +634,7 @@ template <int H, int64_t D1, int64_t D2, int64_t L, typename T, typename IndexT>
 inline void block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2>& b, int n, int n_next,
                               float scale, float* s, float* keys) {
   constexpr int64_t D = D1 + D2;
-  if constexpr (H <= kDirectHeads) {
+  if constexpr (widens_from_cache(H)) {
     for (int n0 = 0; n0 < n; n0 += kDirectRows) {
       const int ahead = n0 + kPrefetchTilesFp32 * kDirectRows;
       prefetch_block_rows(b.key, ahead, kDirectRows, n, n_next, D1 * int64_t(sizeof(T)));
@@ -707,7 +711,7 @@ template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L,
 inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& request, int64_t j0, int64_t j1,
                          float scale, float softcap, const MaskT* mask, const T* zero_row, SoftmaxState& st) {
   constexpr bool kBf16 = use_bf16_kernels<T>(L);
-  constexpr bool kDirect = !kBf16 && H <= kDirectHeads;  // the portable kernels without fp32 copies
+  constexpr bool kDirect = !kBf16 && widens_from_cache(H);
   using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
   constexpr int64_t D = D1 + D2;
   alignas(64) float s[H * kKvBlock];
