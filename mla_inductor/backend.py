@@ -61,8 +61,35 @@ def _concat_linear_is_slow_here(gm: torch.fx.GraphModule, example_inputs) -> boo
     return any(isinstance(t, torch.Tensor) and isa.concat_linear_is_slow(t.dtype) for t in tensors)
 
 
+def trace_inference_mode_as_no_grad(gm: torch.fx.GraphModule) -> bool:
+    """Turn the `inference_mode` region Dynamo records (`_enter_inference_mode` / `_exit_inference_mode`
+    nodes, from a `@torch.inference_mode()` forward as DeepSeek's reference code has) into a no-grad
+    region. Traced in inference mode, a slice of a buffer made outside it fails in AOTAutograd
+    ("Cannot set version_counter for inference tensor", a known torch 2.13 bug, stock alike); the
+    compiled code computes the same values either way, only its outputs are not inference tensors.
+    Returns whether the graph had such a region."""
+    enter = torch.autograd.grad_mode._enter_inference_mode
+    exit_ = torch.autograd.grad_mode._exit_inference_mode
+    found = False
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (enter, exit_):
+            continue
+        found = True
+        # Dynamo guards on grad mode, so the mode it traced under is the mode every call of this graph
+        # starts in: the one to restore at the region's end.
+        enabled = not (node.target is enter and node.args[0]) and torch.is_grad_enabled()
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.call_function(torch._C._set_grad_enabled, (enabled,))
+        node.replace_all_uses_with(replacement)
+        gm.graph.erase_node(node)
+    if found:
+        gm.recompile()
+    return found
+
+
 def mla_inductor_backend(gm: torch.fx.GraphModule, example_inputs, *, mode: Optional[str] = None, options=None):
     own_options, config = split_options(options)
+    trace_inference_mode_as_no_grad(gm)
     patches = dict(list_mode_options(mode)) if mode and mode != "default" else {}
     patches.update(own_options)
     if patches.get("freezing") and not inductor_config.freezing:

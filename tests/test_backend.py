@@ -196,3 +196,28 @@ def test_fx_graph_cache_hit_in_a_new_process_keeps_the_rewrite(tmp_path):
     # served from the cache: the pass did not run again, the cached module carries its rewrite, and the
     # count is replayed with it (record.py)
     assert second == {"hit": 1, "miss": 0, "fired": 1, "kernel": True}
+
+
+class _InferenceModeForward(torch.nn.Module):
+    """A forward decorated as DeepSeek's reference `Transformer.forward` is: it slices a buffer made
+    outside inference mode, which stock torch.compile on torch 2.13 cannot trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.register_buffer("freqs", torch.randn(32, 8), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, x, start_pos: int):
+        return self.proj(x) * self.freqs[start_pos : start_pos + x.shape[1]]
+
+
+@pytest.mark.parametrize("grad_enabled", [True, False])
+def test_inference_mode_forward_compiles_and_keeps_grad_mode(grad_enabled):
+    torch._dynamo.reset()
+    module, x = _InferenceModeForward(), torch.randn(2, 4, 8)
+    with torch.set_grad_enabled(grad_enabled):
+        out = torch.compile(module, backend="mla_inductor")(x, 3)
+        assert torch.is_grad_enabled() == grad_enabled  # the region's end restores the caller's mode
+    assert not out.requires_grad
+    torch.testing.assert_close(out, module(x, 3))
