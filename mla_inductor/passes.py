@@ -19,6 +19,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import config as mla_config
 from . import record
 from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, register_all
+from .patterns.registry import apply_graph_rewrites
 
 _MAX_ROUNDS = 3
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -57,7 +58,9 @@ class MLAPass(CustomGraphPass):
         # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):
-            if not pattern_pass(self.stage).apply(graph):
+            matched = pattern_pass(self.stage).apply(graph)
+            rewritten = apply_graph_rewrites(graph, self.stage)
+            if not (matched or rewritten):
                 break
             changed = True
         if self.config.enabled("rope") and self.config.enabled("qkv_a_proj"):

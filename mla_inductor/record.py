@@ -90,6 +90,16 @@ def record_fired(fusion: str, where: str, node: str, stage: str) -> None:
     _count(fusion, stage)
 
 
+def record_decision(fusion: str, nodes, stage: str, reason: Optional[str]) -> None:
+    """Record what a graph walk decided about a candidate (its anchor last in `nodes`): fired
+    (reason None, counted) or a near miss and why."""
+    nodes = list(nodes)
+    if reason is None:
+        record_fired(fusion, module_path(nodes), nodes[-1].name, stage)
+    else:
+        _events.append(Event(fusion, module_path(nodes), nodes[-1].name, stage, reason))
+
+
 def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) -> Callable[[Match], bool]:
     """Turn `check(match) -> reason | None` into an `extra_check` that records and counts."""
 
@@ -98,7 +108,7 @@ def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) ->
             return False
         reason = check(match)
         output = match.output_node()
-        _events.append(Event(fusion, _module_path(match), output.name, stage, reason))
+        _events.append(Event(fusion, module_path(match.nodes), output.name, stage, reason))
         if reason is None:
             # The matcher applies the replacement right after a successful extra_check.
             _count(fusion, stage)
@@ -108,10 +118,10 @@ def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) ->
     return extra_check
 
 
-def _module_path(match: Match) -> str:
-    """Longest common module path of the matched nodes, e.g. `model.layers.0.self_attn`."""
+def module_path(nodes) -> str:
+    """Longest common module path of the nodes, e.g. `model.layers.0.self_attn`."""
     paths = []
-    for node in match.nodes:
+    for node in nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
             raw = list(stack.values())[-1][0]

@@ -15,6 +15,7 @@ import torch
 from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_replacement
 
+from .. import config as mla_config
 from ..record import checked
 
 STAGES = ("joint", "post_grad")
@@ -116,3 +117,21 @@ def register_fusion(
             **kwargs,
         )
 
+
+
+# Fusions found by walking the graph from an anchor (patterns/contraction.py) rather than by a traced
+# pattern: rewrite(graph, stage) replaces what it can and returns how many it replaced.
+_GRAPH_REWRITES: list[tuple[str, Callable[[torch.fx.Graph, str], int]]] = []
+
+
+def register_graph_rewrite(fusion: str, rewrite: Callable[[torch.fx.Graph, str], int]) -> None:
+    if (fusion, rewrite) not in _GRAPH_REWRITES:
+        _GRAPH_REWRITES.append((fusion, rewrite))
+
+
+def apply_graph_rewrites(graph: torch.fx.Graph, stage: str) -> bool:
+    changed = False
+    for fusion, rewrite in _GRAPH_REWRITES:
+        if mla_config.active().enabled(fusion):
+            changed = rewrite(graph, stage) > 0 or changed
+    return changed

@@ -1,0 +1,323 @@
+"""Contractions as einsums over the tensors they read: the semantic view of a `bmm` / `mm` that the
+anchored fusions match on, whatever layout ops the model code (or einsum's own decomposition) put
+around it.
+
+Model code spells one contraction in many ways: `torch.einsum` decomposes into unsqueeze / permute /
+reshape chains around a `bmm`; `matmul` and `@` broadcast and fold batch dims; a weight is transposed
+as a view or as a copy; a cache is sliced, gathered, expanded over heads. All of these are layout
+ops: they change which element sits where, not any value. `Layout` replays such a chain
+symbolically: every dim of the result is a list of *factors* (outer to inner), each naming the dim
+of the origin tensor it indexes (`label`), its extent and its stride in that dim; `offsets` hold
+where slices and selects start. A factor with label None is a broadcast (an expand). So the
+operands of a bmm become (origin tensor, one factor list per bmm dim), and the bmm itself an
+einsum over origin dims: `Contraction`.
+
+The fusions then decide by roles (which origin dim is contracted, shared, broadcast), never by the
+text of the chain, and build their op's arguments from the origin tensors (views, no copies) or
+from the operands (whatever the original graph already computed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Hashable, Optional, Sequence
+
+import torch
+from torch.fx import Node
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor:
+    label: Optional[Hashable]  # the origin dim (or axis) this factor indexes; None: broadcast
+    size: int
+    stride: int  # in units of the origin dim's index
+
+
+class Unsupported(Exception):
+    """A layout op this replay does not model (a fusion then declines, saying why)."""
+
+
+class DynamicSize(Unsupported):
+    """A symbolic size: the replay works on concrete sizes only."""
+
+
+def static(size) -> int:
+    if isinstance(size, torch.SymInt):
+        raise DynamicSize("a dynamic size")
+    return int(size)
+
+
+def shape(node: Node) -> list[int]:
+    return [static(s) for s in node.meta["val"].shape]
+
+
+@dataclasses.dataclass
+class Layout:
+    """Where each element of a tensor comes from: per dim, factors over labelled origin dims."""
+
+    dims: list[list[Factor]]
+    offsets: dict  # label -> start index in the origin dim
+
+    @classmethod
+    def identity(cls, shape: Sequence[int], labels: Optional[Sequence[Hashable]] = None) -> "Layout":
+        labels = labels if labels is not None else range(len(shape))
+        return cls([[Factor(lab, n, 1)] if n != 1 else [] for lab, n in zip(labels, shape)], {})
+
+    def sizes(self) -> list[int]:
+        return [math.prod(f.size for f in dim) for dim in self.dims]
+
+    def factors(self) -> list[Factor]:
+        return [f for dim in self.dims for f in dim]
+
+    def copy(self) -> "Layout":
+        return Layout([list(d) for d in self.dims], dict(self.offsets))
+
+    # --- the layout ops ---------------------------------------------------------------------------
+
+    def reshape(self, shape: Sequence[int]) -> "Layout":
+        pending = [f for f in self.factors() if f.size != 1]
+        dims = []
+        for size in shape:
+            dim, product = [], 1
+            while product < size:
+                if not pending:
+                    raise Unsupported(f"reshape to {list(shape)}")
+                f = pending.pop(0)
+                if product * f.size <= size:
+                    dim.append(f)
+                    product *= f.size
+                    continue
+                outer = size // product  # split f into outer x inner: the outer part completes this dim
+                if size % product or f.size % outer:
+                    raise Unsupported(f"reshape to {list(shape)} splits a factor of {f.size}")
+                inner = f.size // outer
+                dim.append(Factor(f.label, outer, f.stride * inner))
+                pending.insert(0, Factor(f.label, inner, f.stride))
+                product *= outer
+            if product != size:
+                raise Unsupported(f"reshape to {list(shape)}")
+            dims.append(dim)
+        if pending:
+            raise Unsupported(f"reshape to {list(shape)}")
+        return Layout(dims, dict(self.offsets))
+
+    def permute(self, order: Sequence[int]) -> "Layout":
+        return Layout([self.dims[d] for d in order], dict(self.offsets))
+
+    def unsqueeze(self, dim: int) -> "Layout":
+        dims = list(self.dims)
+        dims.insert(dim if dim >= 0 else dim + len(dims) + 1, [])
+        return Layout(dims, dict(self.offsets))
+
+    def squeeze(self, dims: Sequence[int]) -> "Layout":
+        rank = len(self.dims)
+        drop = {d % rank for d in dims if self.sizes()[d % rank] == 1}
+        return Layout([d for i, d in enumerate(self.dims) if i not in drop], dict(self.offsets))
+
+    def expand(self, shape: Sequence[int]) -> "Layout":
+        lead = len(shape) - len(self.dims)
+        dims = [[Factor(None, n, 0)] if n != 1 else [] for n in shape[:lead]]
+        for dim, size, n in zip(self.dims, self.sizes(), shape[lead:]):
+            dims.append(dim if size == n else [Factor(None, n, 0)])
+        return Layout(dims, dict(self.offsets))
+
+    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Layout":
+        dim %= len(self.dims)
+        size = self.sizes()[dim]
+        start = max(0, start + size if start < 0 else start)
+        end = min(size, end + size if end < 0 else end)
+        if (start, end, step) == (0, size, 1):
+            return self.copy()
+        factors = [f for f in self.dims[dim] if f.size != 1]
+        if len(factors) != 1:
+            raise Unsupported(f"a slice of a dim made of {len(factors)} factors")
+        (f,) = factors
+        out = self.copy()
+        out.dims[dim] = [Factor(f.label, max(0, (end - start + step - 1) // step), f.stride * step)]
+        if f.label is not None:
+            out.offsets[f.label] = out.offsets.get(f.label, 0) + start * f.stride
+        return out
+
+    def select(self, dim: int, index: int) -> "Layout":
+        dim %= len(self.dims)
+        out = self.slice(dim, index, index + 1) if index >= 0 else self.slice(dim, index, index + 1 or self.sizes()[dim])
+        del out.dims[dim]
+        return out
+
+
+# --- replaying the ops of a graph -----------------------------------------------------------------
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+         prims.convert_element_type.default, aten._to_copy.default, aten.lift_fresh_copy.default}
+_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
+LAYOUT_OPS = _VIEWS | _SAME | {
+    aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+}
+
+
+def _getitem_of_split(node: Node) -> bool:
+    import operator
+
+    return (node.op == "call_function" and node.target is operator.getitem
+            and isinstance(node.args[0], Node) and node.args[0].target in _SPLITS)
+
+
+def is_layout_op(node: Node) -> bool:
+    return node.op == "call_function" and (node.target in LAYOUT_OPS or _getitem_of_split(node))
+
+
+def layout_input(node: Node) -> Node:
+    return node.args[0].args[0] if _getitem_of_split(node) else node.args[0]
+
+
+def apply(layout: Layout, node: Node) -> Layout:
+    """The layout of `node`'s output, given the layout of its tensor input."""
+    t, args = node.target, node.args
+    if _getitem_of_split(node):
+        split, index = node.args
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        sizes = split.args[1]
+        if isinstance(sizes, int):  # split.Tensor(x, size): equal chunks
+            sizes = [sizes] * math.ceil(layout.sizes()[dim] / sizes)
+        start = sum(static(s) for s in sizes[:index])
+        return layout.slice(dim, start, start + static(sizes[index]))
+    if t in _VIEWS:
+        return layout.reshape(shape(node))
+    if t in _SAME:
+        return layout.copy()
+    if t is aten.permute.default:
+        return layout.permute([d % len(layout.dims) for d in args[1]])
+    if t is aten.transpose.int or t is aten.t.default:
+        d0, d1 = (args[1], args[2]) if t is aten.transpose.int else (0, 1)
+        order = list(range(len(layout.dims)))
+        order[d0 % len(order)], order[d1 % len(order)] = order[d1 % len(order)], order[d0 % len(order)]
+        return layout.permute(order)
+    if t is aten.unsqueeze.default:
+        return layout.unsqueeze(args[1])
+    if t is aten.squeeze.default:
+        return layout.squeeze(range(len(layout.dims)))
+    if t is aten.squeeze.dim:
+        return layout.squeeze([args[1]])
+    if t is aten.squeeze.dims:
+        return layout.squeeze(args[1])
+    if t is aten.expand.default:
+        return layout.expand(shape(node))
+    if t is aten.slice.Tensor:
+        dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+        size = layout.sizes()[dim % len(layout.dims)]
+        return layout.slice(dim, static(start or 0), size if end is None else min(static(end), size), step)
+    if t is aten.select.int:
+        return layout.select(args[1], static(args[2]))
+    raise Unsupported(str(t))
+
+
+@dataclasses.dataclass
+class Operand:
+    """A tensor read through a chain of layout ops: its origin (the first node that is not a layout op)
+    and where each of its elements sits in the origin (labels are the origin's dims)."""
+
+    node: Node  # the operand itself
+    origin: Node
+    layout: Layout
+    chain: list[Node]  # the layout ops, origin side first
+    casts: list[torch.dtype]  # dtype conversions on the way
+
+
+def trace_back(node: Node) -> Operand:
+    chain = []
+    origin = node
+    while is_layout_op(origin):
+        chain.append(origin)
+        origin = layout_input(origin)
+    chain.reverse()
+    layout = Layout.identity(shape(origin))
+    casts = []
+    for op in chain:
+        layout = apply(layout, op)
+        if op.target in (prims.convert_element_type.default, aten._to_copy.default):
+            casts.append(op.meta["val"].dtype)
+    return Operand(node, origin, layout, chain, casts)
+
+
+def trace_forward(node: Node, layout: Layout) -> tuple[Node, Layout, list[Node]]:
+    """Follow `node`'s only user while it is a layout op: the tensor the value reaches and its layout."""
+    chain = []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if not is_layout_op(user) or layout_input(user) is not node:
+            break
+        layout = apply(layout, user)
+        chain.append(user)
+        node = user
+    return node, layout, chain
+
+
+@dataclasses.dataclass
+class Contraction:
+    """out[batch, m, n] = sum_k a[batch, m, k] * b[batch, k, n] (a bmm, or an mm with no batch), its
+    operands traced to their origins. Axes: ("batch", i), ("m", i), ("n", i), ("k", i): the factors of
+    each bmm dim, which `a_factor` / `b_factor` map to the operands' origin dims."""
+
+    node: Node
+    a: Operand
+    b: Operand
+    axes: dict  # axis -> (a's Factor or None, b's Factor or None, size)
+
+    @classmethod
+    def of(cls, node: Node) -> "Contraction":
+        if node.target not in (aten.bmm.default, aten.mm.default):
+            raise Unsupported(f"{node.target} is not a contraction")
+        a, b = trace_back(node.args[0]), trace_back(node.args[1])
+        batched = node.target is aten.bmm.default
+        a_dims, b_dims = a.layout.dims, b.layout.dims
+        a_batch, a_m, a_k = (a_dims if batched else [[], *a_dims])
+        b_batch, b_k, b_n = (b_dims if batched else [[], *b_dims])
+        axes = {}
+        for kind, fa, fb in (("batch", a_batch, b_batch), ("k", a_k, b_k)):
+            fa, fb = _align(fa, fb)
+            for i, (x, y) in enumerate(zip(fa, fb)):
+                axes[(kind, i)] = (x, y, x.size)
+        for i, f in enumerate(x for x in a_m if x.size != 1):
+            axes[("m", i)] = (f, None, f.size)
+        for i, f in enumerate(x for x in b_n if x.size != 1):
+            axes[("n", i)] = (None, f, f.size)
+        return cls(node, a, b, axes)
+
+    def output_layout(self) -> Layout:
+        """The bmm's output with each dim's factors labelled by axis."""
+        batched = self.node.target is aten.bmm.default
+        groups = [[ax for ax in self.axes if ax[0] == kind] for kind in ("batch", "m", "n")]
+        dims = [[Factor(ax, self.axes[ax][2], 1) for ax in group] for group in groups]
+        return Layout(dims if batched else dims[1:], {})
+
+    def result(self) -> tuple[Node, Layout, list[Node]]:
+        """Where the contraction's value goes: the last of its single-user layout ops."""
+        return trace_forward(self.node, self.output_layout())
+
+
+def _align(fa: list[Factor], fb: list[Factor]) -> tuple[list[Factor], list[Factor]]:
+    """Refine two factor lists of one dim (equal total size) to factors of equal sizes, pairwise."""
+    fa, fb = [f for f in fa if f.size != 1], [f for f in fb if f.size != 1]
+    out_a, out_b = [], []
+    while fa and fb:
+        x, y = fa.pop(0), fb.pop(0)
+        if x.size == y.size:
+            out_a.append(x), out_b.append(y)
+        elif x.size > y.size and x.size % y.size == 0:
+            r = x.size // y.size
+            out_a.append(Factor(x.label, y.size, x.stride * r)), out_b.append(y)
+            fa.insert(0, Factor(x.label, r, x.stride))
+        elif y.size > x.size and y.size % x.size == 0:
+            r = y.size // x.size
+            out_a.append(x), out_b.append(Factor(y.label, x.size, y.stride * r))
+            fb.insert(0, Factor(y.label, r, y.stride))
+        else:
+            raise Unsupported("operand dims that do not factor alike")
+    if fa or fb:
+        raise Unsupported("operand dims of different sizes")
+    return out_a, out_b
