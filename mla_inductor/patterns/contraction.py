@@ -40,6 +40,10 @@ class Unsupported(Exception):
     """A layout op this replay does not model (a fusion then declines, saying why)."""
 
 
+class Decline(Exception):
+    """A candidate that fails a condition of its fusion: the message says which (explain())."""
+
+
 class DynamicSize(Unsupported):
     """A symbolic size: the replay works on concrete sizes only."""
 
@@ -321,3 +325,85 @@ def _align(fa: list[Factor], fb: list[Factor]) -> tuple[list[Factor], list[Facto
     if fa or fb:
         raise Unsupported("operand dims of different sizes")
     return out_a, out_b
+
+
+# --- building a fused op's arguments from the roles of axes ----------------------------------------
+
+
+def dim_roles(layout: Layout, role_of_axis: dict) -> list[list[tuple[str, int, int]]]:
+    """Per dim of a contraction's output (or of a tensor traced from it): (role, size, stride in the
+    dim) of each factor, outer to inner."""
+    out = []
+    for dim in layout.dims:
+        entries, stride = [], 1
+        for f in reversed(dim):
+            entries.append((role_of_axis[f.label], f.size, stride))
+            stride *= f.size
+        out.append(entries[::-1])
+    return out
+
+
+def role_through(factor: Factor, roles: list) -> str:
+    """The role of a factor of an operand read from a tensor whose dims carry `roles` (`dim_roles`)."""
+    for role, size, stride in roles[factor.label]:
+        if (size, stride) == (factor.size, factor.stride):
+            return role
+    raise Decline("a contraction operand merges two roles of the tensor it reads")
+
+
+class Emitter:
+    """Appends aten calls before `before`, each with its example value (the graph's fake mode), so that
+    later passes (and the next round of patterns) see them as they see traced nodes, and the module
+    path of `like`."""
+
+    def __init__(self, graph: torch.fx.Graph, before: Node, like: Optional[Node] = None):
+        self.graph, self.before = graph, before
+        self.fake_mode = before.meta["val"].fake_mode
+        self.module_stack = (like or before).meta.get("nn_module_stack", {})  # where explain() says it fired
+
+    def __call__(self, target, *args, **kwargs) -> Node:
+        with self.graph.inserting_before(self.before):
+            node = self.graph.call_function(target, args, kwargs)
+        fake = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+        with self.fake_mode:
+            node.meta["val"] = target(*fake[0], **fake[1])
+        node.meta["nn_module_stack"] = self.module_stack
+        return node
+
+
+def operand_axes(c: Contraction, of_a: bool) -> list[list]:
+    """The axes of each dim of a bmm operand, in order (batch, m, k for a; batch, k, n for b)."""
+    groups = ("batch", "m", "k") if of_a else ("batch", "k", "n")
+    dims = [[ax for ax in c.axes if ax[0] == g] for g in groups]
+    return dims if c.node.target is aten.bmm.default else dims[1:]
+
+
+def in_role_order(emit: Emitter, node: Node, axes: list, roles: dict, order: Sequence[str],
+                   sizes: dict) -> Node:
+    """node, whose dims flattened are `axes` (outer to inner, each of one role), as a tensor of dims
+    `order` (of `sizes`; a role no axis has is a dim of 1)."""
+    if any(roles[a] not in order for a in axes):
+        raise Decline(f"an operand has a dim that is none of {', '.join(order)}")
+    if len({roles[a] for a in axes}) != len(axes):
+        raise Decline("a role spans two factors of an operand")
+    flat = emit(aten.reshape.default, node, [sizes[roles[a]] for a in axes])
+    present = [roles[a] for a in axes]
+    flat = emit(aten.permute.default, flat, [present.index(r) for r in order if r in present])
+    return emit(aten.reshape.default, flat, [sizes[r] for r in order])
+
+
+def from_role_order(emit: Emitter, node: Node, order: Sequence[str], sizes: dict,
+                     result: Node, result_roles: list) -> Node:
+    """The op's output `node` (dims `order`) laid out as the `result` it replaces, whose dims carry
+    `result_roles`, in its dtype."""
+    sequence = [role for dim in result_roles for role, _, _ in dim]
+    present = [r for r in order if sizes[r] != 1]
+    if sorted(sequence) != sorted(present):
+        raise Decline("the result does not hold one request x head x column per element")
+    flat = emit(aten.reshape.default, node, [sizes[r] for r in present])
+    flat = emit(aten.permute.default, flat, [present.index(r) for r in sequence])
+    out = emit(aten.reshape.default, flat, shape(result))
+    dtype = result.meta["val"].dtype
+    return out if dtype == out.meta["val"].dtype else emit(torch.ops.prims.convert_element_type.default, out, dtype)
+
+

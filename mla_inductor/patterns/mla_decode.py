@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from ..record import record_decision
 from . import contraction
+from .contraction import Decline, Emitter, dim_roles, from_role_order, in_role_order, operand_axes, role_through
 from .registry import node_value, register_fusion, register_graph_rewrite, upcast
 
 FUSION = "mla_decode"
@@ -308,10 +309,6 @@ def register() -> None:
 # fails a condition is recorded with the reason (explain()).
 
 
-class _Decline(Exception):
-    pass
-
-
 def _node_is(node, *targets) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
@@ -367,30 +364,30 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
             return visit(n.args[0])
         if _node_is(n, aten.where.self) and (is_neg_inf(n.args[1]) or is_neg_inf(n.args[2])):
             if out.admit is not None:
-                raise _Decline("two boolean masks")
+                raise Decline("two boolean masks")
             keep_first = is_neg_inf(n.args[2])
             out.admit = n.args[0] if keep_first else ("not", n.args[0])
             return visit(n.args[1] if keep_first else n.args[2])
         if _node_is(n, aten.masked_fill.Scalar) and is_neg_inf(n.args[2]):
             if out.admit is not None:
-                raise _Decline("two boolean masks")
+                raise Decline("two boolean masks")
             out.admit = ("not", n.args[1])
             return visit(n.args[0])
         if _node_is(n, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in n.args[:2]):
             sides = [a for a in n.args[:2] if not _is_score_sum(a)]
             if len(sides) == 1:  # scores + mask
                 if out.bias is not None:
-                    raise _Decline("two additive masks")
+                    raise Decline("two additive masks")
                 out.bias = sides[0]
                 return visit(n.args[0] if sides[0] is n.args[1] else n.args[1])
             if not sides:
                 visit(n.args[0])
                 return visit(n.args[1])
-            raise _Decline(f"{n.name} adds two tensors neither of which is a contraction")
+            raise Decline(f"{n.name} adds two tensors neither of which is a contraction")
         out.nodes.pop()
         origin = contraction.trace_back(n).origin
         if not _node_is(origin, aten.bmm.default, aten.mm.default):
-            raise _Decline(f"the softmax input reaches {n.name} ({n.target}), not a contraction")
+            raise Decline(f"the softmax input reaches {n.name} ({n.target}), not a contraction")
         out.terms.append(n)
 
     visit(node)
@@ -428,17 +425,17 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
         by_role.setdefault(role, []).append(factor)
     columns = by_role.get("columns", [])
     if len(columns) != 1 or columns[0].stride != 1:
-        raise _Decline("the contracted columns are not one run of the cache's last dim")
+        raise Decline("the contracted columns are not one run of the cache's last dim")
     (col,) = columns
     rank = origin.meta["val"].dim()
     if col.label != rank - 1:
-        raise _Decline("the contraction does not run over the cache's last dim")
+        raise Decline("the contraction does not run over the cache's last dim")
     start = layout.offsets.get(col.label, 0)
     request = by_role.get("request", [])
     if _node_is(origin, aten.index.Tensor):
         indices = origin.args[1]
         if len(indices) != 1 or indices[0] is None or indices[0].meta["val"].dim() != 2:
-            raise _Decline("the cache is gathered by something other than one 2-D index on its first dim")
+            raise Decline("the cache is gathered by something other than one 2-D index on its first dim")
         cache, tables = origin.args[0], indices[0]
         # gathered dims: 0 request, 1 table column, then the cache's own dims after its first
         expected_rows = [(1, tables.meta["val"].shape[1])] + ([(2, cache.meta["val"].shape[1])]
@@ -446,38 +443,17 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
     else:
         cache, tables = origin, None
         if rank != 3:
-            raise _Decline(f"the cache read is {rank}-D, not [batch, rows, columns]")
+            raise Decline(f"the cache read is {rank}-D, not [batch, rows, columns]")
         expected_rows = [(1, None)]
     rows = by_role.get("rows", [])
     if [f.label for f in rows] != [lab for lab, _ in expected_rows] or any(f.stride != 1 for f in rows):
-        raise _Decline("the rows reduced over are not the cache's rows in order")
+        raise Decline("the rows reduced over are not the cache's rows in order")
     for f, (lab, size) in zip(rows, expected_rows):
         if layout.offsets.get(lab, 0) != 0 or (size is not None and f.size != contraction.static(size)):
-            raise _Decline("the rows read do not start at the first row of each request")
+            raise Decline("the rows read do not start at the first row of each request")
     if len(request) != 1 or request[0].label != 0 or request[0].stride != 1 or layout.offsets.get(0, 0) != 0:
-        raise _Decline("the cache's requests are not read in order from the first")
+        raise Decline("the cache's requests are not read in order from the first")
     return _CacheRead(cache, tables, math.prod(f.size for f in rows), start, col.size)
-
-
-def _dim_roles(layout: contraction.Layout, role_of_axis: dict) -> list[list[tuple[str, int, int]]]:
-    """Per dim of a contraction's output (or of a tensor traced from it): (role, size, stride in the
-    dim) of each factor, outer to inner."""
-    out = []
-    for dim in layout.dims:
-        entries, stride = [], 1
-        for f in reversed(dim):
-            entries.append((role_of_axis[f.label], f.size, stride))
-            stride *= f.size
-        out.append(entries[::-1])
-    return out
-
-
-def _role_through(factor: contraction.Factor, dim_roles: list) -> str:
-    """The role of a factor of an operand read from a tensor whose dims carry `dim_roles`."""
-    for role, size, stride in dim_roles[factor.label]:
-        if (size, stride) == (factor.size, factor.stride):
-            return role
-    raise _Decline("a contraction operand merges two roles of the tensor it reads")
 
 
 @dataclasses.dataclass
@@ -495,14 +471,14 @@ def _score_term(node: torch.fx.Node) -> _Term:
     c = contraction.Contraction.of(contraction.trace_back(node).origin)
     result, layout, _ = c.result()
     if result is not node:
-        raise _Decline(f"{c.node.name}'s result is used before the softmax")
+        raise Decline(f"{c.node.name}'s result is used before the softmax")
     last = layout.dims[-1]
     if last and all(f.label[0] == "n" for f in last):
         query_is_a = True
     elif last and all(f.label[0] == "m" for f in last):
         query_is_a = False
     else:
-        raise _Decline("the softmax runs over a dim that is not all cache rows")
+        raise Decline("the softmax runs over a dim that is not all cache rows")
     axis_role, cache_roles = {}, {}
     for axis, (fa, fb, _) in c.axes.items():
         fq, fc = (fa, fb) if query_is_a else (fb, fa)
@@ -519,12 +495,12 @@ def _score_term(node: torch.fx.Node) -> _Term:
         else:
             axis_role[axis] = "head"
     if [f.label for f in last] != [a for a in c.axes if axis_role[a] == "rows"]:
-        raise _Decline("the softmax dim does not hold every cache row")
+        raise Decline("the softmax dim does not hold every cache row")
     heads = [a for a in c.axes if axis_role[a] == "head"]
     if len(heads) > 1:
-        raise _Decline("the queries have more than one row per request and head (prefill?)")
+        raise Decline("the queries have more than one row per request and head (prefill?)")
     cache = _cache_read(c.b if query_is_a else c.a, cache_roles)
-    return _Term(c, query_is_a, axis_role, cache, _dim_roles(layout, axis_role))
+    return _Term(c, query_is_a, axis_role, cache, dim_roles(layout, axis_role))
 
 
 @dataclasses.dataclass
@@ -565,7 +541,7 @@ def _roles_of_contraction(c: contraction.Contraction, from_a: bool, source_roles
             if mine.label is None:
                 roles[axis] = broadcast_other
             else:
-                roles[axis] = _role_through(mine, source_roles)
+                roles[axis] = role_through(mine, source_roles)
         else:
             roles[axis] = free_other
     return roles
@@ -577,7 +553,7 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         return None
     try:
         logits = _read_logits(logits_node)
-    except (_Decline, contraction.Unsupported):
+    except (Decline, contraction.Unsupported):
         return None  # a softmax over something other than scores: not a candidate at all
     try:
         terms = [_score_term(t) for t in logits.terms]
@@ -585,15 +561,15 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         return None
     # From here on the softmax reads contractions of queries with cache rows: near misses are reported.
     if not 1 <= len(terms) <= 2:
-        raise _Decline(f"the scores sum {len(terms)} contractions")
+        raise Decline(f"the scores sum {len(terms)} contractions")
     roles = terms[0].scores_roles
     if any(t.scores_roles != roles for t in terms[1:]):
-        raise _Decline("the score contractions are added with different layouts")
+        raise Decline("the score contractions are added with different layouts")
     if len({(t.cache.rows, t.cache.tables) for t in terms}) != 1:
-        raise _Decline("the score contractions read different rows")
+        raise Decline("the score contractions read different rows")
     found = _next_contraction(div)
     if found is None:
-        raise _Decline("the probabilities are not contracted with the cache")
+        raise Decline("the probabilities are not contracted with the cache")
     value, probs_is_a = found
     value_roles = _roles_of_contraction(value, probs_is_a, roles, "latent", "head")
     cache_roles = {}
@@ -602,27 +578,27 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         if f is not None and f.label is not None:
             cache_roles[f] = {"rows": "rows", "request": "request", "latent": "columns"}.get(value_roles[axis], "?")
     if "?" in cache_roles.values() or set(value_roles.values()) - {"request", "head", "rows", "latent"}:
-        raise _Decline("P.V does not contract the probabilities' rows with the cache rows")
+        raise Decline("P.V does not contract the probabilities' rows with the cache rows")
     vread = _cache_read(value.b if probs_is_a else value.a, cache_roles)
     latent_term = next((t for t in terms if t.cache.start == 0 and t.cache.cache is vread.cache), None)
     if latent_term is None or vread.start != 0 or vread.columns != latent_term.cache.columns:
-        raise _Decline("P.V does not read the latent columns the scores read")
+        raise Decline("P.V does not read the latent columns the scores read")
     if (vread.rows, vread.tables) != (latent_term.cache.rows, latent_term.cache.tables):
-        raise _Decline("P.V reads other rows than the scores")
+        raise Decline("P.V reads other rows than the scores")
     end, layout, _ = value.result()
-    latent_roles = _dim_roles(layout, value_roles)
+    latent_roles = dim_roles(layout, value_roles)
     w_vc, w_roles = None, None
     after = _next_contraction(value.node)
     if after is not None:
         c, o_is_a = after
-        out_roles = _dim_roles(value.output_layout(), value_roles)
+        out_roles = dim_roles(value.output_layout(), value_roles)
         candidate_roles = _roles_of_contraction(c, o_is_a, out_roles, "value", "request")
         contracted = {candidate_roles[a] for a in c.axes if a[0] == "k"}
         w = c.b if o_is_a else c.a
         if contracted == {"latent"} and not _reads_cache(w, terms):
             w_vc, w_roles = c, candidate_roles
             end, layout, _ = c.result()
-            latent_roles = _dim_roles(layout, w_roles)
+            latent_roles = dim_roles(layout, w_roles)
     return _Candidate(terms, logits, div, value, value_roles, w_vc, w_roles, end, latent_roles)
 
 
@@ -630,59 +606,7 @@ def _reads_cache(operand: contraction.Operand, terms) -> bool:
     return any(operand.origin is t.cache.cache or operand.origin is t.contraction.b.origin for t in terms)
 
 
-class _Emitter:
-    """Appends aten calls before `before`, each with its example value (the graph's fake mode), so that
-    later passes (and the next round of patterns) see them as they see traced nodes."""
-
-    def __init__(self, graph: torch.fx.Graph, before: torch.fx.Node):
-        self.graph, self.before = graph, before
-        self.fake_mode = before.meta["val"].fake_mode
-
-    def __call__(self, target, *args, **kwargs) -> torch.fx.Node:
-        with self.graph.inserting_before(self.before):
-            node = self.graph.call_function(target, args, kwargs)
-        fake = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-        with self.fake_mode:
-            node.meta["val"] = target(*fake[0], **fake[1])
-        node.meta["nn_module_stack"] = self.before.meta.get("nn_module_stack", {})
-        return node
-
-
-def _operand_dims(c: contraction.Contraction, of_a: bool) -> list[list]:
-    """The axes of each dim of a bmm operand, in order (batch, m, k for a; batch, k, n for b)."""
-    groups = ("batch", "m", "k") if of_a else ("batch", "k", "n")
-    dims = [[ax for ax in c.axes if ax[0] == g and (of_a or g != "m") and (not of_a or g != "n")] for g in groups]
-    return dims if c.node.target is torch.ops.aten.bmm.default else dims[1:]
-
-
-def _in_role_order(emit: _Emitter, node: torch.fx.Node, axes: list, roles: dict, order: Sequence[str],
-                   sizes: dict) -> torch.fx.Node:
-    """node (whose flattened dims are `axes`, outer to inner) as a tensor of dims `order`."""
-    aten = torch.ops.aten
-    axes = [a for a in axes if roles[a] in order]
-    if len({roles[a] for a in axes}) != len(axes):
-        raise _Decline("a role spans two factors of an operand")
-    flat = emit(aten.reshape.default, node, [sizes[roles[a]] for a in axes])
-    present = [roles[a] for a in axes]
-    flat = emit(aten.permute.default, flat, [present.index(r) for r in order if r in present])
-    return emit(aten.reshape.default, flat, [sizes[r] for r in order])
-
-
-def _from_role_order(emit: _Emitter, node: torch.fx.Node, order: Sequence[str], sizes: dict,
-                     result: torch.fx.Node, result_roles: list) -> torch.fx.Node:
-    aten = torch.ops.aten
-    sequence = [role for dim in result_roles for role, _, _ in dim]
-    present = [r for r in order if sizes[r] != 1]
-    if sorted(sequence) != sorted(present):
-        raise _Decline("the result does not hold one request x head x column per element")
-    flat = emit(aten.reshape.default, node, [sizes[r] for r in present])
-    flat = emit(aten.permute.default, flat, [present.index(r) for r in sequence])
-    out = emit(aten.reshape.default, flat, contraction.shape(result))
-    dtype = result.meta["val"].dtype
-    return out if dtype == out.meta["val"].dtype else emit(torch.ops.prims.convert_element_type.default, out, dtype)
-
-
-def _cache_argument(emit: _Emitter, read: _CacheRead, batch: int) -> torch.fx.Node:
+def _cache_argument(emit: Emitter, read: _CacheRead, batch: int) -> torch.fx.Node:
     """The cache as the op reads it: paged [blocks, block_size, columns] (a per-token index: block size 1),
     or a dense cache's first `batch` requests as one block each."""
     aten = torch.ops.aten
@@ -707,22 +631,22 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
                 sizes[role] = t.contraction.axes[axis][2]
     batch, heads = sizes["request"], sizes["head"]
     columns = contraction.shape(lat_read.cache)[-1]
-    emit = _Emitter(graph, cand.result)
+    emit = Emitter(graph, cand.result, like=cand.probs)
     if rope is None:
         if (lat_read.start, lat_read.columns) != (0, columns):
-            raise _Decline("the scores read part of the cache row only")
+            raise Decline("the scores read part of the cache row only")
         kv_lora_rank, rope_cache = _latent_columns(cand), None
     elif rope.cache.cache is lat_read.cache:
         if (lat_read.columns, rope.cache.start, lat_read.columns + rope.cache.columns) != (
                 lat_read.columns, lat_read.columns, columns):
-            raise _Decline("the rope columns do not follow the latent ones to the end of the cache row")
+            raise Decline("the rope columns do not follow the latent ones to the end of the cache row")
         kv_lora_rank, rope_cache = lat_read.columns, None
     else:
         if lat_read.columns != columns or (rope.cache.start, rope.cache.columns) != (0, contraction.shape(rope.cache.cache)[-1]):
-            raise _Decline("the latent and rope caches are not read whole")
+            raise Decline("the latent and rope caches are not read whole")
         if (rope.cache.tables is None) != (lat_read.tables is None) or (
                 contraction.shape(rope.cache.cache)[:-1] != contraction.shape(lat_read.cache)[:-1]):
-            raise _Decline("the latent and rope caches are not laid out alike")
+            raise Decline("the latent and rope caches are not laid out alike")
         kv_lora_rank, rope_cache = lat_read.columns, _cache_argument(emit, rope.cache, batch)
 
     queries = []
@@ -730,7 +654,7 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         c = t.contraction
         node = c.node.args[0] if t.query_is_a else c.node.args[1]
         q_sizes = dict(sizes, feature=t.cache.columns)
-        q = _in_role_order(emit, node, [a for dim in _operand_dims(c, t.query_is_a) for a in dim], t.axis_role,
+        q = in_role_order(emit, node, [a for dim in operand_axes(c, t.query_is_a) for a in dim], t.axis_role,
                            ("request", "head", "feature"), q_sizes)
         queries.append(q if q.meta["val"].dtype == dtype else emit(torch.ops.prims.convert_element_type.default, q, dtype))
     q = queries[0] if len(queries) == 1 else emit(aten.cat.default, queries, -1)
@@ -752,11 +676,11 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         w_is_a = c.b.origin is cand.value.node
         v_sizes = {"head": heads, "value": next(s for a, (_, _, s) in c.axes.items() if cand.w_roles[a] == "value"),
                    "latent": kv_lora_rank}
-        w_axes = [a for dim in _operand_dims(c, w_is_a) for a in dim]
+        w_axes = [a for dim in operand_axes(c, w_is_a) for a in dim]
         if "head" not in {cand.w_roles[a] for a in w_axes} and heads != 1:
-            raise _Decline("W_vc is not per head")
+            raise Decline("W_vc is not per head")
         node = c.node.args[0] if w_is_a else c.node.args[1]
-        w_vc = _in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), v_sizes)
+        w_vc = in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), v_sizes)
         if w_vc.meta["val"].dtype != dtype:
             w_vc = emit(torch.ops.prims.convert_element_type.default, w_vc, dtype)
         out_order, out_sizes = ("request", "head", "value"), dict(sizes, value=v_sizes["value"])
@@ -766,20 +690,20 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         out = emit(torch.ops.mla.latent_decode_attention.default, q, kv, tables, lens, kv_lora_rank,
                    cand.logits.scale, 0.0, None, None, w_vc, None, rope_cache, mask)
     except ValueError as error:
-        raise _Decline(str(error).removeprefix("mla::latent_decode_attention: ")) from error
-    cand.result.replace_all_uses_with(_from_role_order(emit, out, out_order, out_sizes, cand.result, cand.result_roles))
+        raise Decline(str(error).removeprefix("mla::latent_decode_attention: ")) from error
+    cand.result.replace_all_uses_with(from_role_order(emit, out, out_order, out_sizes, cand.result, cand.result_roles))
 
 
 def _latent_columns(cand: _Candidate) -> int:
     return next(s for a, (_, _, s) in cand.value.axes.items() if cand.value_roles[a] == "latent")
 
 
-def _mask_argument(emit: _Emitter, cand: _Candidate, batch: int, rows: int) -> Optional[torch.fx.Node]:
+def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Optional[torch.fx.Node]:
     """The mask as [batch or 1, rows]: bool where a row counts, or an additive float bias."""
     aten = torch.ops.aten
     logits = cand.logits
     if logits.bias is not None and logits.admit is not None:
-        raise _Decline("both a boolean and an additive mask")
+        raise Decline("both a boolean and an additive mask")
     mask = logits.bias if logits.bias is not None else logits.admit
     if mask is None:
         return None
@@ -788,15 +712,15 @@ def _mask_argument(emit: _Emitter, cand: _Candidate, batch: int, rows: int) -> O
     shape = contraction.shape(mask)
     roles = cand.terms[0].scores_roles[len(cand.terms[0].scores_roles) - len(shape):]
     kept = []
-    for size, dim_roles in zip(shape, roles):
+    for size, entries in zip(shape, roles):
         if size == 1:
             continue
-        names = [r for r, s, _ in dim_roles if s != 1]
+        names = [r for r, s, _ in entries if s != 1]
         if names not in (["request"], ["rows"]):
-            raise _Decline("the mask differs between heads or query rows")
+            raise Decline("the mask differs between heads or query rows")
         kept.append(names[0])
     if kept not in ([], ["rows"], ["request", "rows"]):
-        raise _Decline("the mask is not per request and row")
+        raise Decline("the mask is not per request and row")
     mask = emit(aten.reshape.default, mask, [batch if "request" in kept else 1, rows])
     if negate:
         mask = emit(aten.logical_not.default, mask)
@@ -816,7 +740,7 @@ def rewrite_latent_attention(graph: torch.fx.Graph, stage: str) -> int:
             _rewrite(graph, cand)
         except contraction.DynamicSize:
             record_decision(FUSION, [div], stage, "dynamic sizes: the anchored match needs static shapes")
-        except (_Decline, contraction.Unsupported) as why:
+        except (Decline, contraction.Unsupported) as why:
             record_decision(FUSION, [div], stage, str(why))
         else:
             record_decision(FUSION, [div], stage, None)

@@ -15,6 +15,7 @@ a round of rewrites for this.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -23,7 +24,9 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
-from .registry import node_value, register_fusion, size_hint
+from ..record import record_decision
+from . import contraction
+from .registry import node_value, register_fusion, register_graph_rewrite, size_hint
 from .rope import gptj_upcast
 
 FUSION = "q_b_absorb"
@@ -120,6 +123,7 @@ def _transformers_inputs() -> list:
 
 
 def register() -> None:
+    register_graph_rewrite(FUSION, rewrite_absorbed_queries)
     for dtype in (torch.bfloat16, torch.float32):
         register_fusion(
             FUSION,
@@ -132,3 +136,139 @@ def register() -> None:
     for style in ("interleaved_to_halves", "neox", "interleaved"):  # V3, V3 rope_interleave=False, V2
         search, replacement = transformers_absorbed_query(style)
         register_fusion(FUSION, search, replacement, _transformers_inputs(), check)
+
+
+# --- anchored match: the absorbed query of any latent attention the mla_decode rewrite made ----------
+#
+# Whatever the spelling, once mla_decode has rewritten the attention its query is `cat([q_lat, q_pe])`
+# (contraction.py builds it so): q_lat read from a contraction of q_nope with W_kc, q_pe from an
+# `mla::apply_rope`, and both (as einsums over what they read) slices of one q_b_proj GEMM row per
+# token: q_nope its heads' first qk_nope columns, q_pe their last rope columns. This walk checks that
+# and replaces the query with `mla::q_b_absorb`.
+
+
+def _linear_of(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
+    """(x, weight) of `mm(x, weight.T)`: a Linear without bias."""
+    weight = contraction.trace_back(mm.args[1])
+    n, k = contraction.shape(weight.origin) if weight.origin.meta["val"].dim() == 2 else (None, None)
+    expected = [[contraction.Factor(1, k, 1)], [contraction.Factor(0, n, 1)]]
+    if weight.layout.dims != expected or weight.layout.offsets or weight.casts:
+        raise contraction.Decline("q_b_proj's weight is not read as a plain transposed Linear weight")
+    return mm.args[0], weight.origin
+
+
+def _column_role(f: contraction.Factor, heads: int, row: int, width: int) -> str:
+    """token (the GEMM's rows), head (columns by `row`) or feature (`width` columns within a head)."""
+    if f.label == 0 and f.stride == 1:
+        return "token"
+    if f.label == 1 and (f.size, f.stride) == (heads, row):
+        return "head"
+    if f.label == 1 and (f.size, f.stride) == (width, 1):
+        return "feature"
+    raise contraction.Decline("a query slice is not whole heads' columns of q_b_proj")
+
+
+def _slice_roles(operand: contraction.Operand, heads: int, row: int, start: int, width: int) -> list:
+    """Per dim of a q_b_proj slice: (role, size, stride in the dim) of its factors (contraction.dim_roles)."""
+    if operand.layout.offsets.get(0, 0) != 0 or operand.layout.offsets.get(1, 0) != start or operand.casts:
+        raise contraction.Decline("a query slice does not start where the heads' columns do")
+    out = []
+    for dim in operand.layout.dims:
+        entries, stride = [], 1
+        for f in reversed(dim):
+            entries.append((_column_role(f, heads, row, width), f.size, stride))
+            stride *= f.size
+        out.append(entries[::-1])
+    return out
+
+
+def _roles_in_order(operand: contraction.Operand, source_roles: list) -> list[str]:
+    return [contraction.role_through(f, source_roles) for dim in operand.layout.dims for f in dim]
+
+
+def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
+    aten = torch.ops.aten
+    Decline = contraction.Decline
+    cat = op.args[0]
+    if not (isinstance(cat, torch.fx.Node) and cat.target is aten.cat.default and len(cat.args[0]) == 2):
+        raise Decline("the attention's query is not a latent part and a rope part")
+    q_lat, q_pe = (contraction.trace_back(piece) for piece in cat.args[0])
+    if q_lat.origin.target is not aten.bmm.default or q_pe.origin.target is not torch.ops.mla.apply_rope.default:
+        raise Decline("the query's latent part is not a contraction or its rope part not mla::apply_rope")
+    absorb = contraction.Contraction.of(q_lat.origin)
+    x_is_a = absorb.a.origin.target is aten.mm.default
+    x = absorb.a if x_is_a else absorb.b
+    if x.origin.target is not aten.mm.default:
+        raise Decline("q_nope is not read from a q_b_proj Linear (without a q LoRA there is none to fuse)")
+    q_a, q_b_weight = _linear_of(x.origin)
+    x_pe = contraction.trace_back(q_pe.origin.args[0])
+    if x_pe.origin is not x.origin:
+        raise Decline("q_nope and q_pe are not parts of one q_b_proj")
+    tokens, kv_lora_rank = contraction.shape(cat)[0], contraction.shape(cat)[-1]
+    heads = contraction.shape(cat)[1]
+    row = contraction.shape(x.origin)[1] // heads
+    cos, sin, style = q_pe.origin.args[1:4]
+    rope = 2 * contraction.shape(cos)[-1]
+    kv_lora_rank -= rope
+    nope = row - rope
+    sizes = {"token": tokens, "head": heads, "nope": nope, "latent": kv_lora_rank, "feature": rope}
+    _slice_roles(x, heads, row, 0, nope)
+    pe_roles = _slice_roles(x_pe, heads, row, nope, rope)
+    if _roles_in_order(q_pe, pe_roles) != [r for r in ("token", "head", "feature") if sizes[r] > 1]:
+        raise Decline("the query's rope part is not [tokens, heads, rope] of q_b_proj")
+    # the absorption's axes: token and head from q_nope, its columns contracted, W_kc's latent free
+    axis_role = {}
+    for axis, (fa, fb, _) in absorb.axes.items():
+        fx = fa if x_is_a else fb
+        if fx is None:
+            axis_role[axis] = "latent"
+        else:
+            role = _column_role(fx, heads, row, nope)
+            axis_role[axis] = "nope" if role == "feature" else role
+        if (axis[0] == "k") != (axis_role[axis] == "nope"):
+            raise Decline("the absorption does not contract q_nope's columns alone")
+    lat_roles = contraction.dim_roles(absorb.output_layout(), axis_role)
+    if _roles_in_order(q_lat, lat_roles) != [r for r in ("token", "head", "latent") if sizes[r] > 1]:
+        raise Decline("the query's latent part is not [tokens, heads, kv_lora_rank]")
+    emit = contraction.Emitter(graph, op, like=op)
+    w_axes = [a for dim in contraction.operand_axes(absorb, not x_is_a) for a in dim]
+    w_kc = contraction.in_role_order(emit, absorb.node.args[1 if x_is_a else 0], w_axes, axis_role,
+                                     ("head", "nope", "latent"), sizes)
+    trig = []
+    for t in (cos, sin):
+        rows = math.prod(contraction.shape(t)[:-1])
+        if rows not in (1, tokens):
+            raise Decline("cos / sin are not one row per token")
+        t = emit(aten.reshape.default, t, [rows, rope // 2])
+        trig.append(t if rows == tokens else emit(aten.expand.default, t, [tokens, rope // 2]))
+    try:
+        check_args(*(n.meta["val"] for n in (q_a, q_b_weight, w_kc, *trig)), style)
+    except ValueError as error:
+        raise Decline(str(error).removeprefix("mla::q_b_absorb: ")) from error
+    if not template_wins(tokens, q_a.meta["val"].dtype):
+        raise Decline(f"{tokens} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster")
+    fused = emit(torch.ops.mla.q_b_absorb.default, q_a, q_b_weight, w_kc, *trig, style)
+    if fused.meta["val"].dtype != cat.meta["val"].dtype:
+        fused = emit(torch.ops.prims.convert_element_type.default, fused, cat.meta["val"].dtype)
+    op.replace_input_with(cat, fused)
+
+
+def rewrite_absorbed_queries(graph: torch.fx.Graph, stage: str) -> int:
+    """The anchored match (see above) on the query of every latent attention op."""
+    fired = 0
+    for op in [n for n in graph.nodes if n.target is torch.ops.mla.latent_decode_attention.default]:
+        cat = op.args[0]
+        if not isinstance(cat, torch.fx.Node) or cat.target is not torch.ops.aten.cat.default:
+            continue  # a query built otherwise (or already fused): no candidate
+        try:
+            _absorbed_query(graph, op)
+        except contraction.DynamicSize:
+            record_decision(FUSION, [op], stage, "dynamic sizes: the anchored match needs static shapes")
+        except (contraction.Decline, contraction.Unsupported) as why:
+            record_decision(FUSION, [op], stage, str(why))
+        else:
+            record_decision(FUSION, [op], stage, None)
+            fired += 1
+    if fired:
+        graph.eliminate_dead_code()
+    return fired

@@ -4,10 +4,13 @@ RMSNorms of their latents, into one `mla::qkv_a_proj`.
 Spellings found in real graphs, each written below as the model code it matches:
 - transformers DeepseekV3/V2: `q_a_proj` and `kv_a_proj_with_mqa` as two Linears over the same x
   (with `attention_bias`, as addmm), or `q_proj` with no norm where q_lora_rank is None;
-- vLLM / SGLang: one Linear over the concatenated weight (`fused_qkv_a_proj_with_mqa`), then split.
-Each is registered for 2-D [tokens, hidden] and 3-D [batch, seq, hidden] x, for bf16/fp16 (the
-norm casts to fp32 and back) and fp32 (no casts), and with eps as a literal or as a 0-d tensor
-(what `dynamic=True` makes of a module's float attribute).
+- vLLM / SGLang: one Linear over the concatenated weight (`fused_qkv_a_proj_with_mqa`), then split;
+- DeepSeek's reference code (`inference/model.py`): two Linears, norms by `F.rms_norm`.
+Each form is registered with both norms (transformers' rounds to the dtype before the weight
+multiplies, torch's after; the op's template rounds once, as torch's), for 2-D [tokens, hidden] and
+3-D [batch, seq, hidden] x, for bf16/fp16 (the norm casts to fp32 and back) and fp32 (no casts), and
+transformers' norm with eps as a literal or as a 0-d tensor (what `dynamic=True` makes of a module's
+float attribute).
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ from .registry import node_value, register_fusion, size_hint
 FUSION = "qkv_a_proj"
 # Distinct magic eps values: each literal in a traced pattern becomes the argument it stands for.
 _EPS_WORKAROUND = {"q_eps": 3.25e-6, "kv_eps": 7.75e-6}
+# F.rms_norm's decomposition rounds eps to fp32 before it reaches the graph: its magic values must be
+# exact in fp32 for the traced literal to be recognised.
+_FP32_EPS_WORKAROUND = {"q_eps": 2.0**-18, "kv_eps": 2.0**-17}
 
 
 def rms_norm(x, weight, eps):
@@ -43,33 +49,46 @@ def _split_latent(kv, kv_norm_weight):
 # --- search functions: the model code ------------------------------------------------------------
 
 
-def q_lora(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
-    q = rms_norm(F.linear(x, q_weight), q_norm_weight, q_eps)
-    c_kv, k_pe = _split_latent(F.linear(x, kv_weight), kv_norm_weight)
-    return q, rms_norm(c_kv, kv_norm_weight, kv_eps), k_pe
+def torch_rms_norm(x, weight, eps):
+    """torch's own RMSNorm (`F.rms_norm`, `torch.nn.RMSNorm`; DeepSeek's reference code): the weight
+    multiplies in fp32 and the result rounds once."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def q_lora_bias(x, q_weight, q_bias, kv_weight, kv_bias, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
-    q = rms_norm(F.linear(x, q_weight, q_bias), q_norm_weight, q_eps)
-    c_kv, k_pe = _split_latent(F.linear(x, kv_weight, kv_bias), kv_norm_weight)
-    return q, rms_norm(c_kv, kv_norm_weight, kv_eps), k_pe
+def search_functions(norm):
+    """The model code of each form, with the norm spelled by `norm`."""
 
+    def q_lora(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
+        q = norm(F.linear(x, q_weight), q_norm_weight, q_eps)
+        c_kv, k_pe = _split_latent(F.linear(x, kv_weight), kv_norm_weight)
+        return q, norm(c_kv, kv_norm_weight, kv_eps), k_pe
 
-def no_q_lora(x, q_weight, kv_weight, kv_norm_weight, kv_eps):
-    c_kv, k_pe = _split_latent(F.linear(x, kv_weight), kv_norm_weight)
-    return F.linear(x, q_weight), rms_norm(c_kv, kv_norm_weight, kv_eps), k_pe
+    def q_lora_bias(x, q_weight, q_bias, kv_weight, kv_bias, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
+        q = norm(F.linear(x, q_weight, q_bias), q_norm_weight, q_eps)
+        c_kv, k_pe = _split_latent(F.linear(x, kv_weight, kv_bias), kv_norm_weight)
+        return q, norm(c_kv, kv_norm_weight, kv_eps), k_pe
 
+    def no_q_lora(x, q_weight, kv_weight, kv_norm_weight, kv_eps):
+        c_kv, k_pe = _split_latent(F.linear(x, kv_weight), kv_norm_weight)
+        return F.linear(x, q_weight), norm(c_kv, kv_norm_weight, kv_eps), k_pe
 
-def no_q_lora_bias(x, q_weight, q_bias, kv_weight, kv_bias, kv_norm_weight, kv_eps):
-    c_kv, k_pe = _split_latent(F.linear(x, kv_weight, kv_bias), kv_norm_weight)
-    return F.linear(x, q_weight, q_bias), rms_norm(c_kv, kv_norm_weight, kv_eps), k_pe
+    def no_q_lora_bias(x, q_weight, q_bias, kv_weight, kv_bias, kv_norm_weight, kv_eps):
+        c_kv, k_pe = _split_latent(F.linear(x, kv_weight, kv_bias), kv_norm_weight)
+        return F.linear(x, q_weight, q_bias), norm(c_kv, kv_norm_weight, kv_eps), k_pe
 
+    def fused_q_lora(x, weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
+        q_lora_rank = q_norm_weight.shape[0]
+        q, kv = F.linear(x, weight).split([q_lora_rank, weight.shape[0] - q_lora_rank], dim=-1)
+        c_kv, k_pe = _split_latent(kv, kv_norm_weight)
+        return norm(q, q_norm_weight, q_eps), norm(c_kv, kv_norm_weight, kv_eps), k_pe
 
-def fused_q_lora(x, weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps):
-    q_lora_rank = q_norm_weight.shape[0]
-    q, kv = F.linear(x, weight).split([q_lora_rank, weight.shape[0] - q_lora_rank], dim=-1)
-    c_kv, k_pe = _split_latent(kv, kv_norm_weight)
-    return rms_norm(q, q_norm_weight, q_eps), rms_norm(c_kv, kv_norm_weight, kv_eps), k_pe
+    return (
+        (q_lora, q_lora_replacement),
+        (q_lora_bias, q_lora_bias_replacement),
+        (no_q_lora, no_q_lora_replacement),
+        (no_q_lora_bias, no_q_lora_bias_replacement),
+        (fused_q_lora, fused_q_lora_replacement),
+    )
 
 
 # --- replacements ---------------------------------------------------------------------------------
@@ -183,16 +202,11 @@ def check(match: Match) -> Optional[str]:
 
 # --- registration ---------------------------------------------------------------------------------
 
-_FORMS = (
-    (q_lora, q_lora_replacement),
-    (q_lora_bias, q_lora_bias_replacement),
-    (no_q_lora, no_q_lora_replacement),
-    (no_q_lora_bias, no_q_lora_bias_replacement),
-    (fused_q_lora, fused_q_lora_replacement),
-)
+def _arg_names(fn) -> tuple[str, ...]:
+    return fn.__code__.co_varnames[: fn.__code__.co_argcount]
 
 
-def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool) -> list:
+def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool, eps_values: dict) -> list:
     """Small inputs with all sizes distinct, so that no view or split traces as a no-op."""
     hidden, q_rows, kv_lora_rank, rope = 24, 10, 12, 6
     sizes = {
@@ -206,28 +220,33 @@ def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool
         "weight": (q_rows + kv_lora_rank + rope, hidden),
     }
     args = []
-    for name in search_fn.__code__.co_varnames[: search_fn.__code__.co_argcount]:
+    for name in _arg_names(search_fn):
         if name.endswith("eps"):
-            args.append(torch.tensor(1e-6, dtype=torch.float64) if tensor_eps else _EPS_WORKAROUND[name])
+            args.append(torch.tensor(1e-6, dtype=torch.float64) if tensor_eps else eps_values[name])
         else:
             args.append(torch.empty(sizes[name], dtype=dtype))
     return args
 
 
 def register() -> None:
-    for (search_fn, replace_fn), x_dims, dtype, tensor_eps in itertools.product(
-        _FORMS, (2, 3), (torch.bfloat16, torch.float32), (False, True)
+    forms = [(form, False) for form in search_functions(rms_norm)]
+    forms += [(form, True) for form in search_functions(torch_rms_norm)]
+    for ((search_fn, replace_fn), torch_norm), x_dims, dtype, tensor_eps in itertools.product(
+        forms, (2, 3), (torch.bfloat16, torch.float32), (False, True)
     ):
         if x_dims == 3 and tensor_eps:
             continue  # size-agnostic: eps binds as an argument either way, the float pattern serves both
+        if torch_norm and tensor_eps:
+            continue  # F.rms_norm takes eps as a float only
+        eps_values = _FP32_EPS_WORKAROUND if torch_norm else _EPS_WORKAROUND
         register_fusion(
             FUSION,
             search_fn,
             replace_fn,
-            _example_inputs(search_fn, x_dims, dtype, tensor_eps),
+            _example_inputs(search_fn, x_dims, dtype, tensor_eps, eps_values),
             check,
-            scalar_workaround={} if tensor_eps else _EPS_WORKAROUND,
+            scalar_workaround={} if tensor_eps else eps_values,
             size_agnostic=x_dims == 3,
             # Two projections, two weights: without this one GEMM could serve as both (q = kv).
-            exclusive_arg_names=("q_weight", "kv_weight") if search_fn is not fused_q_lora else (),
+            exclusive_arg_names=("q_weight", "kv_weight") if "q_weight" in _arg_names(search_fn) else (),
         )

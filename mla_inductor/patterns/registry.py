@@ -64,11 +64,26 @@ def _scalar_tensor_to_full(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _functional_decompositions(gm: torch.fx.GraphModule) -> None:
+    """`aten.add_(t, eps)` -> `aten.add(t, eps)` where nothing else reads t: some decompositions
+    (F.rms_norm's) update a fresh temporary in place, which the graphs we match hold functionalized."""
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+            continue
+        name = target.overloadpacket.__name__
+        functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+        if name.endswith("_") and functional is not None and len(node.args[0].users) == 1:
+            node.target = functional
+    gm.recompile()
+
+
 def trace_for_stage(stage: str) -> Callable:
     """How a search function becomes a pattern graph for `stage`."""
 
     def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         gm = fwd_only(fn, *args, **kwargs)
+        _functional_decompositions(gm)
         if stage == "post_grad":
             view_to_reshape(gm)
         _scalar_tensor_to_full(gm)
