@@ -119,3 +119,36 @@ def static_cache_greedy_decode(arch, freezing, steps=16):
     with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
         actual = greedy(model, cache, prompt, steps, compiled)
     return mla_inductor.fusion_counts(), expected, actual
+
+
+def rewrite_and_run(fn, *args):
+    """Trace fn as Inductor does (AOTAutograd with Inductor's decompositions), run MLAPass's two stages on
+    the forward graph and run that graph eagerly (our ops' reference implementations): the output and
+    the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays cheap;
+    the templates are tested on their own and by the compiled models."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    from mla_inductor import record
+
+    def forward(gm, example_inputs):
+        MLAPass("joint")(gm.graph)
+        view_to_reshape(gm)
+        MLAPass("post_grad")(gm.graph)
+        gm.recompile()
+        return gm
+
+    start = record.event_count()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=forward, decompositions=select_decomp_table()))(*args)
+    return out, record.events_since(start)
+
+
+def fired(events, fusion):
+    return sum(1 for e in events if e.fusion == fusion and e.fired)
+
+
+def declined(events, fusion):
+    return [e.reason for e in events if e.fusion == fusion and not e.fired]

@@ -352,12 +352,14 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
     def is_neg_inf(arg) -> bool:
         if _node_is(arg, aten.full.default):
             arg = arg.args[1]
+        elif _node_is(arg, aten.scalar_tensor.default):
+            arg = arg.args[0]
         return isinstance(arg, float) and arg == float("-inf")
 
     def visit(n):
         out.nodes.append(n)
-        if _node_is(n, prims.convert_element_type.default):
-            return visit(n.args[0])
+        if _node_is(n, prims.convert_element_type.default, aten.clone.default, aten.alias.default):
+            return visit(n.args[0])  # same elements, same layout
         if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None:
             s = _scalar(n.args[1])
             out.scale *= s if n.target is aten.mul.Tensor else 1.0 / s
@@ -395,8 +397,11 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
 
 
 def _is_score_sum(n) -> bool:
-    """Whether n is (a sum of) contraction results, through layout ops and casts."""
-    aten = torch.ops.aten
+    """Whether n is (a scaled sum of) contraction results, through layout ops and casts."""
+    aten, prims = torch.ops.aten, torch.ops.prims
+    while _node_is(n, prims.convert_element_type.default) or (
+            _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None):
+        n = n.args[0]
     if _node_is(n, aten.add.Tensor):
         return all(isinstance(a, torch.fx.Node) and _is_score_sum(a) for a in n.args[:2])
     try:
@@ -469,9 +474,12 @@ class _Term:
 
 def _score_term(node: torch.fx.Node) -> _Term:
     c = contraction.Contraction.of(contraction.trace_back(node).origin)
-    result, layout, _ = c.result()
-    if result is not node:
-        raise Decline(f"{c.node.name}'s result is used before the softmax")
+    at, layout = c.node, c.output_layout()
+    while at is not node:  # the layout ops from the bmm to the term
+        if len(at.users) != 1:
+            raise Decline(f"{c.node.name}'s result is used before the softmax")
+        (at,) = at.users
+        layout = contraction.apply(layout, at)
     last = layout.dims[-1]
     if last and all(f.label[0] == "n" for f in last):
         query_is_a = True
@@ -581,7 +589,9 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         raise Decline("P.V does not contract the probabilities' rows with the cache rows")
     vread = _cache_read(value.b if probs_is_a else value.a, cache_roles)
     latent_term = next((t for t in terms if t.cache.start == 0 and t.cache.cache is vread.cache), None)
-    if latent_term is None or vread.start != 0 or vread.columns != latent_term.cache.columns:
+    # one score contraction reads the latent and rope columns, two read them apart
+    enough = vread.columns <= latent_term.cache.columns if len(terms) == 1 else vread.columns == latent_term.cache.columns
+    if latent_term is None or vread.start != 0 or not enough:
         raise Decline("P.V does not read the latent columns the scores read")
     if (vread.rows, vread.tables) != (latent_term.cache.rows, latent_term.cache.tables):
         raise Decline("P.V reads other rows than the scores")
@@ -715,7 +725,7 @@ def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Op
     for size, entries in zip(shape, roles):
         if size == 1:
             continue
-        names = [r for r, s, _ in entries if s != 1]
+        names = list(dict.fromkeys(r for r, s, _ in entries if s != 1))
         if names not in (["request"], ["rows"]):
             raise Decline("the mask differs between heads or query rows")
         kept.append(names[0])
