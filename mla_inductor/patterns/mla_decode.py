@@ -589,9 +589,10 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         raise Decline("P.V does not contract the probabilities' rows with the cache rows")
     vread = _cache_read(value.b if probs_is_a else value.a, cache_roles)
     latent_term = next((t for t in terms if t.cache.start == 0 and t.cache.cache is vread.cache), None)
+    if latent_term is None or vread.start != 0:
+        raise Decline("P.V does not read the latent columns the scores read")
     # one score contraction reads the latent and rope columns, two read them apart
-    enough = vread.columns <= latent_term.cache.columns if len(terms) == 1 else vread.columns == latent_term.cache.columns
-    if latent_term is None or vread.start != 0 or not enough:
+    if vread.columns > latent_term.cache.columns or (len(terms) == 2 and vread.columns != latent_term.cache.columns):
         raise Decline("P.V does not read the latent columns the scores read")
     if (vread.rows, vread.tables) != (latent_term.cache.rows, latent_term.cache.tables):
         raise Decline("P.V reads other rows than the scores")

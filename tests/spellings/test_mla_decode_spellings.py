@@ -1,0 +1,146 @@
+"""mla_decode (and the q_b_absorb that follows it) on spellings of latent attention written as others write
+them: the corpus in latent_decode.py, DeepSeek's reference model (deepseek_reference.py), and where
+the fusion must not fire. The graphs are rewritten and run on the ops' references (graph_utils.
+rewrite_and_run); one compile of DeepSeek's model runs the C++ templates end to end."""
+
+import pytest
+import torch
+
+import mla_inductor
+from graph_utils import declined, fired, rewrite_and_run
+from spellings import deepseek_reference as ds
+from spellings import latent_decode as ld
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(ld.SPELLINGS))
+def test_spelling_fires_and_is_no_less_accurate_than_eager(name, dtype):
+    inputs = ld.make_inputs(dtype)
+    args = ld.spelling_args(name, inputs)
+    out, events = rewrite_and_run(ld.SPELLINGS[name], *args)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    lengths = [ld.ROWS] * inputs.batch if name == "deepseek_two_caches" else None  # it reads every row
+    expected = ld.reference_fp64(inputs, lengths, w_vc=name != "latent_output_only")
+    error = (out.double() - expected).abs().max().item()
+    eager_error = (ld.SPELLINGS[name](*args).double() - expected).abs().max().item()
+    assert out.dtype == dtype and out.shape == expected.shape
+    assert error <= max(TOLERANCE[dtype], 1.5 * eager_error), (error, eager_error)
+
+
+def test_reference_is_independent_of_the_spellings():
+    """reference_fp64 against the op's own reference at fp32 (a different computation of the same math)."""
+    x = ld.make_inputs(torch.float32)
+    op = torch.ops.mla.latent_decode_attention(torch.cat([x.q_lat, x.q_pe], -1), x.paged, x.block_tables,
+                                               x.seq_lens, ld.LATENT, ld.SCALE, w_vc=x.w_vc)
+    torch.testing.assert_close(op.double(), ld.reference_fp64(x), atol=1e-5, rtol=1e-5)
+
+
+# --- where it must not fire ------------------------------------------------------------------------
+
+
+def _prefill_two_rows(q, paged, block_tables, seq_lens, w_vc):
+    """Two query rows per request (prefill or speculative decode): not the decode op's contract."""
+    kv = paged[block_tables].flatten(1, 2)
+    scores = torch.einsum("bshd,btd->bsht", q, kv).float() * ld.SCALE
+    scores = scores.masked_fill(~ld._valid(seq_lens)[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    return torch.einsum("bshc,hdc->bshd", torch.einsum("bsht,btc->bshc", probs, kv[..., : ld.LATENT]), w_vc)
+
+
+def _values_apart(q, keys, values):
+    """Single-head attention whose values are not the keys' leading columns: not latent attention."""
+    probs = torch.softmax(torch.einsum("bhd,btd->bht", q, keys) * ld.SCALE, dim=-1)
+    return torch.einsum("bht,btc->bhc", probs, values)
+
+
+def _softmax_over_features(q_lat, paged, block_tables):
+    """A softmax over the latent columns, not over cache rows."""
+    kv = paged[block_tables].flatten(1, 2)
+    return torch.softmax(torch.einsum("bhc,btc->bht", q_lat, kv[..., : ld.LATENT]).transpose(1, 2), dim=-1)
+
+
+def test_declines_two_query_rows_and_says_why():
+    x = ld.make_inputs(torch.float32)
+    q = torch.cat([x.q_lat, x.q_pe], -1)[:, None].expand(-1, 2, -1, -1).contiguous()
+    out, events = rewrite_and_run(_prefill_two_rows, q, x.paged, x.block_tables, x.seq_lens, x.w_vc)
+    assert fired(events, "mla_decode") == 0
+    assert any("more than one row" in r for r in declined(events, "mla_decode")), declined(events, "mla_decode")
+    torch.testing.assert_close(out, _prefill_two_rows(q, x.paged, x.block_tables, x.seq_lens, x.w_vc))
+
+
+def test_declines_values_that_are_not_the_latent_columns():
+    x = ld.make_inputs(torch.float32)
+    keys, values = x.dense(), x.dense()[..., : ld.LATENT] * 2
+    q = torch.cat([x.q_lat, x.q_pe], -1)
+    _, events = rewrite_and_run(_values_apart, q, keys, values)
+    assert fired(events, "mla_decode") == 0
+    assert any("P.V" in r for r in declined(events, "mla_decode")), declined(events, "mla_decode")
+
+
+def test_not_a_candidate_when_the_softmax_is_not_over_rows():
+    x = ld.make_inputs(torch.float32)
+    _, events = rewrite_and_run(_softmax_over_features, x.q_lat, x.paged, x.block_tables)
+    assert fired(events, "mla_decode") == 0
+
+
+# --- DeepSeek's reference model ------------------------------------------------------------------------
+
+
+def _decode_step(args: ds.Args, dtype, prompt_len=6):
+    """A model after an eager prefill of `prompt_len` tokens, and the next step's tokens."""
+    model = ds.build(args, dtype)
+    gen = torch.Generator().manual_seed(1)
+    model(torch.randint(0, args.vocab_size, (2, prompt_len), generator=gen), 0)
+    return model, torch.randint(0, args.vocab_size, (2, 1), generator=gen)
+
+
+def _restoring(model):
+    state = [b.clone() for b in model.buffers()]
+
+    def restore():
+        for b, s in zip(model.buffers(), state):
+            b.copy_(s)
+
+    return restore
+
+
+@pytest.mark.parametrize("q_lora_rank", [48, 0], ids=["q_lora", "v2_lite"])
+def test_deepseek_reference_decode_fuses_every_layer(q_lora_rank):
+    args = ds.Args(q_lora_rank=q_lora_rank)
+    model, step = _decode_step(args, torch.float32)
+    restore = _restoring(model)
+    expected = model(step, 6)
+    restore()
+    out, events = rewrite_and_run(lambda t: ds.Transformer.forward.__wrapped__(model, t, 6), step)
+    for fusion in ("qkv_a_proj", "mla_decode"):
+        assert fired(events, fusion) == args.n_layers, (fusion, declined(events, fusion))
+    assert fired(events, "q_b_absorb") == (args.n_layers if q_lora_rank else 0), declined(events, "q_b_absorb")
+    assert fired(events, "rope") == 2 * args.n_layers
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_deepseek_reference_prefill_keeps_its_attention():
+    model = ds.build(ds.Args(), torch.float32)
+    tokens = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    restore = _restoring(model)
+    expected = model(tokens, 0)
+    restore()
+    out, events = rewrite_and_run(lambda t: ds.Transformer.forward.__wrapped__(model, t, 0), tokens)
+    assert fired(events, "mla_decode") == 0
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_deepseek_reference_compiles_as_written_and_fuses_in_cpp():
+    """The decorated forward through the backend, bf16: every layer's attention runs our templates."""
+    args = ds.Args()
+    model, step = _decode_step(args, torch.bfloat16)
+    restore = _restoring(model)
+    expected = model(step, 6)
+    restore()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="mla_inductor")(step, 6)
+    counts = mla_inductor.fusion_counts()
+    assert counts["mla_decode"] == counts["q_b_absorb"] == counts["qkv_a_proj"] == args.n_layers, counts
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.1, rtol=0.05)
