@@ -379,14 +379,19 @@ def operand_axes(c: Contraction, of_a: bool) -> list[list]:
 
 
 def in_role_order(emit: Emitter, node: Node, axes: list, roles: dict, order: Sequence[str],
-                   sizes: dict) -> Node:
+                   sizes: dict, broadcast: Sequence = ()) -> Node:
     """node, whose dims flattened are `axes` (outer to inner, each of one role), as a tensor of dims
-    `order` (of `sizes`; a role no axis has is a dim of 1)."""
-    if any(roles[a] not in order for a in axes):
+    `order` (of `sizes`; a role no axis has is a dim of 1). Axes in `broadcast` repeat the same values
+    (an expand the graph materialised): their first index is taken."""
+    if any(roles[a] not in order and a not in broadcast for a in axes):
         raise Decline(f"an operand has a dim that is none of {', '.join(order)}")
+    flat = emit(aten.reshape.default, node, [sizes[roles[a]] for a in axes])
+    for dim in reversed(range(len(axes))):
+        if axes[dim] in broadcast:
+            flat = emit(aten.select.int, flat, dim, 0)
+    axes = [a for a in axes if a not in broadcast]
     if len({roles[a] for a in axes}) != len(axes):
         raise Decline("a role spans two factors of an operand")
-    flat = emit(aten.reshape.default, node, [sizes[roles[a]] for a in axes])
     present = [roles[a] for a in axes]
     flat = emit(aten.permute.default, flat, [present.index(r) for r in order if r in present])
     return emit(aten.reshape.default, flat, [sizes[r] for r in order])

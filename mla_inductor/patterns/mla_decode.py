@@ -688,10 +688,12 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         v_sizes = {"head": heads, "value": next(s for a, (_, _, s) in c.axes.items() if cand.w_roles[a] == "value"),
                    "latent": kv_lora_rank}
         w_axes = [a for dim in operand_axes(c, w_is_a) for a in dim]
+        repeated = [a for a in w_axes if c.axes[a][0 if w_is_a else 1].label is None]  # matmul's expand
         if "head" not in {cand.w_roles[a] for a in w_axes} and heads != 1:
             raise Decline("W_vc is not per head")
         node = c.node.args[0] if w_is_a else c.node.args[1]
-        w_vc = in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), v_sizes)
+        w_vc = in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), dict(sizes, **v_sizes),
+                             broadcast=repeated)
         if w_vc.meta["val"].dtype != dtype:
             w_vc = emit(torch.ops.prims.convert_element_type.default, w_vc, dtype)
         out_order, out_sizes = ("request", "head", "value"), dict(sizes, value=v_sizes["value"])

@@ -186,11 +186,23 @@ def _roles_in_order(operand: contraction.Operand, source_roles: list) -> list[st
     return [contraction.role_through(f, source_roles) for dim in operand.layout.dims for f in dim]
 
 
-def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
+def _query_cat(query: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The `cat` the op's query is, element for element (through reshapes and casts), or None."""
+    read = contraction.trace_back(query)
+    cat = read.origin
+    if cat.target is not torch.ops.aten.cat.default:
+        return None
+    rank = cat.meta["val"].dim()
+    if cat.args[1:] and cat.args[1] % rank != rank - 1:
+        return None
+    plain = [[contraction.Factor(d, n, 1)] for d, n in enumerate(contraction.shape(cat)) if n != 1]
+    return cat if [d for d in read.layout.dims if d] == plain and not read.layout.offsets else None
+
+
+def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node) -> None:
     aten = torch.ops.aten
     Decline = contraction.Decline
-    cat = op.args[0]
-    if not (isinstance(cat, torch.fx.Node) and cat.target is aten.cat.default and len(cat.args[0]) == 2):
+    if len(cat.args[0]) != 2:
         raise Decline("the attention's query is not a latent part and a rope part")
     q_lat, q_pe = (contraction.trace_back(piece) for piece in cat.args[0])
     if q_lat.origin.target is not aten.bmm.default or q_pe.origin.target is not torch.ops.mla.apply_rope.default:
@@ -204,8 +216,8 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
     x_pe = contraction.trace_back(q_pe.origin.args[0])
     if x_pe.origin is not x.origin:
         raise Decline("q_nope and q_pe are not parts of one q_b_proj")
-    tokens, kv_lora_rank = contraction.shape(cat)[0], contraction.shape(cat)[-1]
-    heads = contraction.shape(cat)[1]
+    query = op.args[0]
+    tokens, heads, kv_lora_rank = contraction.shape(query)
     row = contraction.shape(x.origin)[1] // heads
     cos, sin, style = q_pe.origin.args[1:4]
     rope = 2 * contraction.shape(cos)[-1]
@@ -232,8 +244,9 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
         raise Decline("the query's latent part is not [tokens, heads, kv_lora_rank]")
     emit = contraction.Emitter(graph, op, like=op)
     w_axes = [a for dim in contraction.operand_axes(absorb, not x_is_a) for a in dim]
+    repeated = [a for a in w_axes if absorb.axes[a][1 if x_is_a else 0].label is None]  # matmul's expand
     w_kc = contraction.in_role_order(emit, absorb.node.args[1 if x_is_a else 0], w_axes, axis_role,
-                                     ("head", "nope", "latent"), sizes)
+                                     ("head", "nope", "latent"), sizes, broadcast=repeated)
     trig = []
     for t in (cos, sin):
         rows = math.prod(contraction.shape(t)[:-1])
@@ -248,20 +261,20 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> None:
     if not template_wins(tokens, q_a.meta["val"].dtype):
         raise Decline(f"{tokens} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster")
     fused = emit(torch.ops.mla.q_b_absorb.default, q_a, q_b_weight, w_kc, *trig, style)
-    if fused.meta["val"].dtype != cat.meta["val"].dtype:
-        fused = emit(torch.ops.prims.convert_element_type.default, fused, cat.meta["val"].dtype)
-    op.replace_input_with(cat, fused)
+    if fused.meta["val"].dtype != query.meta["val"].dtype:
+        fused = emit(torch.ops.prims.convert_element_type.default, fused, query.meta["val"].dtype)
+    op.replace_input_with(query, fused)
 
 
 def rewrite_absorbed_queries(graph: torch.fx.Graph, stage: str) -> int:
     """The anchored match (see above) on the query of every latent attention op."""
     fired = 0
     for op in [n for n in graph.nodes if n.target is torch.ops.mla.latent_decode_attention.default]:
-        cat = op.args[0]
-        if not isinstance(cat, torch.fx.Node) or cat.target is not torch.ops.aten.cat.default:
-            continue  # a query built otherwise (or already fused): no candidate
         try:
-            _absorbed_query(graph, op)
+            cat = _query_cat(op.args[0])
+            if cat is None:
+                continue  # a query built otherwise (or already fused): no candidate
+            _absorbed_query(graph, op, cat)
         except contraction.DynamicSize:
             record_decision(FUSION, [op], stage, "dynamic sizes: the anchored match needs static shapes")
         except (contraction.Decline, contraction.Unsupported) as why:

@@ -76,13 +76,16 @@ def _valid(seq_lens, rows=ROWS):
 
 def serving_einsum_paged(q_lat, q_pe, paged, block_tables, seq_lens, w_vc):
     """An independent serving layer: query by cat, fp32 einsums over a paged gather, masked_fill."""
-    q = torch.cat([q_lat, q_pe], dim=-1)
+    return serving_attention(torch.cat([q_lat, q_pe], dim=-1), paged, block_tables, seq_lens, w_vc)
+
+
+def serving_attention(q, paged, block_tables, seq_lens, w_vc):
     kv = paged[block_tables].flatten(1, 2).float()
     scores = torch.einsum("bhc,btc->bht", q.float(), kv) * SCALE
     scores = scores.masked_fill(~_valid(seq_lens)[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("bht,btc->bhc", probs, kv[..., :LATENT])
-    return torch.einsum("bhc,hdc->bhd", out, w_vc.float()).to(q_lat.dtype)
+    return torch.einsum("bhc,hdc->bhd", out, w_vc.float()).to(q.dtype)
 
 
 def deepseek_two_caches(q_lat, q_pe, latent_cache, rope_cache, w_vc):

@@ -1,0 +1,31 @@
+"""q_b_absorb on the absorbed decode query as others spell it (absorbed_query.py): after mla_decode has
+rewritten the attention, the query becomes one `mla::q_b_absorb`; and where it must not."""
+
+import pytest
+import torch
+
+from graph_utils import declined, fired, rewrite_and_run
+from spellings import absorbed_query as aq
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(aq.SPELLINGS))
+def test_spelling_fires_and_is_no_less_accurate_than_eager(name, dtype):
+    x = aq.make_inputs(dtype)
+    out, events = rewrite_and_run(aq.SPELLINGS[name], x)
+    for fusion in ("rope", "mla_decode", "q_b_absorb"):
+        assert fired(events, fusion) == 1, (fusion, declined(events, fusion))
+    expected = aq.reference_fp64(x, aq.STYLE.get(name, "interleaved"))
+    error = (out.double() - expected).abs().max().item()
+    eager_error = (aq.SPELLINGS[name](x).double() - expected).abs().max().item()
+    assert error <= max(TOLERANCE[dtype], 1.5 * eager_error), (error, eager_error)
+
+
+def test_declines_a_q_b_proj_with_bias_and_says_why():
+    x = aq.make_inputs(torch.float32)
+    out, events = rewrite_and_run(aq.with_q_b_bias, x)
+    assert fired(events, "mla_decode") == 1 and fired(events, "q_b_absorb") == 0
+    assert any("q_b_proj" in r for r in declined(events, "q_b_absorb")), declined(events, "q_b_absorb")
+    torch.testing.assert_close(out, aq.with_q_b_bias(x))
