@@ -19,7 +19,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import config as mla_config
 from . import record
 from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, register_all
-from .patterns.registry import apply_graph_rewrites
+from .patterns.registry import apply_graph_rewrites, canonical_gemm_splits
 
 _MAX_ROUNDS = 3
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -54,7 +54,7 @@ class MLAPass(CustomGraphPass):
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
-        changed = False
+        changed = canonical_gemm_splits(graph) > 0
         # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):

@@ -13,9 +13,10 @@ mla::apply_rope's styles (`k_rope_style`; by default DeepSeek's interleaved pair
 k_pe[2i+1]): the cache row's rope part, as SGLang's `qkv_proj_with_rope` writes it).
 
 The eager implementation computes what the matched model code computes (GEMMs in the input dtype
-with fp32 accumulation, norms in fp32, as transformers' DeepseekV3RMSNorm), so a rewrite changes no
-semantics; the C++ template is at least as accurate (it normalises the fp32 accumulators and rounds
-each output once).
+with fp32 accumulation, norms in fp32 with the weight and one rounding, as `F.rms_norm`; transformers'
+DeepseekV3RMSNorm rounds before the weight multiplies, which differs by at most one rounding), so a
+rewrite changes no semantics; the C++ template is at least as accurate (it normalises the fp32
+accumulators and rounds each output once).
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps) -> Tensor:
+    """In fp32 with the weight, one rounding (as `F.rms_norm`)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
 
 
 @torch.library.custom_op("mla::qkv_a_proj", mutates_args=())

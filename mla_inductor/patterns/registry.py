@@ -84,6 +84,8 @@ def trace_for_stage(stage: str) -> Callable:
     def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
         gm = fwd_only(fn, *args, **kwargs)
         _functional_decompositions(gm)
+        canonical_gemm_splits(gm.graph)
+        gm.recompile()
         if stage == "post_grad":
             view_to_reshape(gm)
         _scalar_tensor_to_full(gm)
@@ -150,3 +152,80 @@ def apply_graph_rewrites(graph: torch.fx.Graph, stage: str) -> bool:
         if mla_config.active().enabled(fusion):
             changed = rewrite(graph, stage) > 0 or changed
     return changed
+
+
+def canonical_gemm_splits(graph: torch.fx.Graph) -> int:
+    """Cut the last dim of every GEMM output (or a view of it that keeps that dim) the one way the
+    patterns are written: right-nested splits in two, `split([a, rest])` then `split([b, rest])`...
+
+    Model code cuts a fused projection's output by one split into three, by nested splits, or by
+    slicing; all three are the same pieces. Only GEMM outputs are touched: slices of head-split views
+    (RoPE's halves) are spelled as the patterns expect already. Returns how many cuts were rewritten."""
+    import operator
+
+    aten = torch.ops.aten
+    rewritten = 0
+    for node in list(graph.nodes):
+        gemm = node
+        while gemm.op == "call_function" and gemm.target in (aten.view.default, aten.reshape.default):
+            gemm = gemm.args[0]
+        if node.op != "call_function" or gemm.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        width = node.meta["val"].shape[-1]
+        if width != gemm.meta["val"].shape[-1] or not isinstance(width, int):
+            continue
+        last = node.meta["val"].dim() - 1
+        pieces = []  # (start, end, the node that holds the piece)
+        for user in node.users:
+            if user.target is aten.slice.Tensor and user.args[1] in (-1, last) and (user.args[4:] or (1,))[0] == 1:
+                start, end = user.args[2], min(user.args[3], width)
+                pieces.append((start, end, user))
+            elif user.target is aten.split_with_sizes.default and user.args[2:] in ((-1,), (last,)) \
+                    and len(user.args[1]) > 2:
+                start = 0
+                for index, size in enumerate(user.args[1]):
+                    getters = [g for g in user.users if g.target is operator.getitem and g.args[1] == index]
+                    pieces += [(start, start + size, g) for g in getters]
+                    start += size
+            else:
+                break
+        else:
+            pieces.sort(key=lambda p: p[0])
+            bounds = sorted({(s, e) for s, e, _ in pieces})
+            if len(bounds) < 2 or bounds[0][0] != 0 or bounds[-1][1] != width or any(
+                    a[1] != b[0] for a, b in zip(bounds, bounds[1:])):
+                continue
+            _nested_split(graph, node, bounds, pieces)
+            rewritten += 1
+    if rewritten:
+        graph.eliminate_dead_code()
+    return rewritten
+
+
+def _nested_split(graph, node, bounds, pieces) -> None:
+    """The pieces of `node`'s last dim at `bounds`, cut as right-nested splits in two on dim -1."""
+    import operator
+
+    aten = torch.ops.aten
+    fake_mode = node.meta["val"].fake_mode
+    rest = node
+    piece_of = {}
+    anchor = node
+    for i, (start, end) in enumerate(bounds):
+        if i == len(bounds) - 1:
+            piece_of[(start, end)] = rest
+            break
+        with graph.inserting_after(anchor):
+            split = graph.call_function(aten.split_with_sizes.default, (rest, [end - start, bounds[-1][1] - end], -1))
+        with fake_mode:
+            split.meta["val"] = aten.split_with_sizes.default(rest.meta["val"], [end - start, bounds[-1][1] - end], -1)
+        outs = []
+        for k in (0, 1):
+            with graph.inserting_after(split if k == 0 else outs[0]):
+                getter = graph.call_function(operator.getitem, (split, k))
+            getter.meta["val"] = split.meta["val"][k]
+            outs.append(getter)
+        piece_of[(start, end)] = outs[0]
+        rest, anchor = outs[1], outs[1]
+    for start, end, old in pieces:
+        old.replace_all_uses_with(piece_of[(start, end)])
