@@ -60,10 +60,14 @@ def interleaved_medians(
     `budget_s` bounds the timing: where one call of every variant takes longer than the budget allows
     (bf16 prefill where oneDNN has no native bf16 runs seconds per call), calls per round drop to
     fit, down to one, and rounds to three, after a warm-up of one call (the one that is timed to decide).
-    The variants have run once before (their compile), so one warm-up call is past their first run."""
+    Where even three rounds of one call would take over the budget (a stock bf16 GEMM at ~1 GFLOP/s
+    runs minutes per call), that timed call is the one sample. The variants have run once before
+    (their compile), so the timed call is past their first run."""
     names = list(fns)
     warm = {name: _time_calls(fns[name], 1)[0] for name in names}
     per_round = sum(warm.values())
+    if budget_s is not None and 3 * per_round > budget_s:
+        return warm
     if budget_s is not None and rounds * calls * per_round > budget_s:
         calls = max(1, int(budget_s / (rounds * per_round)))
         if rounds * calls * per_round > budget_s:
