@@ -18,7 +18,7 @@ from mla_inductor.models import get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
 
-from graph_utils import greedy, rewritten, serving_model_decode
+from graph_utils import fired, greedy, rewrite_and_run, rewritten, serving_model_decode
 
 op = torch.ops.mla.latent_decode_attention
 LORA, ROPE = 512, 64
@@ -369,9 +369,17 @@ permute_default = permute(latent_decode_attention_default, [1, 0, 2])
 permute_4 = permute(permute_default, [1, 0, 2])
 mul_1 = mul.Tensor(permute_4, 2)""")
 
-    def test_not_when_the_mask_admits_a_row_past_the_length(self):
-        graph = rewritten(functools.partial(serving_decode, inclusive=True), *serving_inputs())
-        self.assertNotIn("latent_decode_attention", graph)
+    def test_a_mask_past_the_length_passes_to_the_op_as_the_mask(self):
+        """The paged pattern reads seq_lens rows and must decline a mask that admits one more; the
+        anchored match takes the mask itself (seq_lens then cover every row), so the numbers hold."""
+        inclusive = functools.partial(serving_decode, inclusive=True)
+        inputs = serving_inputs(torch.float32)
+        out, events = rewrite_and_run(inclusive, *inputs)
+        self.assertEqual(fired(events, "mla_decode"), 1)
+        torch.testing.assert_close(out, inclusive(*inputs), atol=1e-5, rtol=1e-5)
+        graph = rewritten(inclusive, *serving_inputs())
+        op = next(line for line in graph.splitlines() if "latent_decode_attention(" in line)
+        self.assertTrue(op.rstrip(")").split(", ")[-1].startswith("logical_not"), op)  # attn_mask: the model's
 
     def test_not_when_switched_off(self):
         graph = rewritten(serving_decode, *serving_inputs(), fusions={"mla_decode": False})

@@ -339,15 +339,16 @@ def _logits_of_softmax(div: torch.fx.Node) -> Optional[torch.fx.Node]:
 @dataclasses.dataclass
 class _Logits:
     terms: list  # nodes: the results of score contractions, summed
-    scale: float
+    scale: float  # on the sum of the terms
     bias: Optional[torch.fx.Node]  # an additive mask
-    admit: Optional[torch.fx.Node]  # a bool mask, true where a row counts
-    nodes: list  # the elementwise nodes between the terms and the softmax
+    bias_scale: float  # the scale applied to the bias after it was added (a mask added before scaling)
+    admit: Optional[object]  # a bool mask node, true where a row counts, or ("not", node)
 
 
 def _read_logits(node: torch.fx.Node) -> _Logits:
+    """The logits as scale x (sum of contraction results) + bias, masked: what the op computes."""
     aten, prims = torch.ops.aten, torch.ops.prims
-    out = _Logits([], 1.0, None, None, [])
+    out = _Logits([], 1.0, None, 1.0, None)
 
     def is_neg_inf(arg) -> bool:
         if _node_is(arg, aten.full.default):
@@ -356,43 +357,47 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
             arg = arg.args[0]
         return isinstance(arg, float) and arg == float("-inf")
 
-    def visit(n):
-        out.nodes.append(n)
+    def admit(mask) -> None:
+        if out.admit is not None:
+            raise Decline("two boolean masks")
+        out.admit = mask
+
+    def visit(n, above: float) -> float:
+        """The scale within n's subtree; `above` is the scale applied to n on its way to the softmax."""
         if _node_is(n, prims.convert_element_type.default, aten.clone.default, aten.alias.default):
-            return visit(n.args[0])  # same elements, same layout
+            return visit(n.args[0], above)  # same elements, same layout
         if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None:
-            s = _scalar(n.args[1])
-            out.scale *= s if n.target is aten.mul.Tensor else 1.0 / s
-            return visit(n.args[0])
+            s = _scalar(n.args[1]) if n.target is aten.mul.Tensor else 1.0 / _scalar(n.args[1])
+            return s * visit(n.args[0], above * s)
         if _node_is(n, aten.where.self) and (is_neg_inf(n.args[1]) or is_neg_inf(n.args[2])):
-            if out.admit is not None:
-                raise Decline("two boolean masks")
             keep_first = is_neg_inf(n.args[2])
-            out.admit = n.args[0] if keep_first else ("not", n.args[0])
-            return visit(n.args[1] if keep_first else n.args[2])
+            admit(n.args[0] if keep_first else ("not", n.args[0]))
+            return visit(n.args[1] if keep_first else n.args[2], above)
         if _node_is(n, aten.masked_fill.Scalar) and is_neg_inf(n.args[2]):
-            if out.admit is not None:
-                raise Decline("two boolean masks")
-            out.admit = ("not", n.args[1])
-            return visit(n.args[0])
+            admit(("not", n.args[1]))
+            return visit(n.args[0], above)
         if _node_is(n, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in n.args[:2]):
             sides = [a for a in n.args[:2] if not _is_score_sum(a)]
             if len(sides) == 1:  # scores + mask
                 if out.bias is not None:
                     raise Decline("two additive masks")
-                out.bias = sides[0]
-                return visit(n.args[0] if sides[0] is n.args[1] else n.args[1])
-            if not sides:
-                visit(n.args[0])
-                return visit(n.args[1])
-            raise Decline(f"{n.name} adds two tensors neither of which is a contraction")
-        out.nodes.pop()
+                out.bias, out.bias_scale = sides[0], above
+                return visit(n.args[0] if sides[0] is n.args[1] else n.args[1], above)
+            if sides:
+                raise Decline(f"{n.name} adds two tensors neither of which is a contraction")
+            first, second = visit(n.args[0], above), visit(n.args[1], above)
+            if not math.isclose(first, second, rel_tol=1e-6):
+                raise Decline("the score contractions are scaled differently")
+            return first
         origin = contraction.trace_back(n).origin
-        if not _node_is(origin, aten.bmm.default, aten.mm.default):
-            raise Decline(f"the softmax input reaches {n.name} ({n.target}), not a contraction")
+        if not _node_is(origin, aten.bmm.default, aten.mm.default):  # not attention scores: no candidate
+            raise contraction.Unsupported(f"the softmax input reaches {n.name} ({n.target}), not a contraction")
         out.terms.append(n)
+        return 1.0
 
-    visit(node)
+    out.scale = visit(node, 1.0)
+    if out.scale <= 0:
+        raise Decline(f"the scores are scaled by {out.scale}, not a positive scale")
     return out
 
 
@@ -561,7 +566,7 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         return None
     try:
         logits = _read_logits(logits_node)
-    except (Decline, contraction.Unsupported):
+    except contraction.Unsupported:
         return None  # a softmax over something other than scores: not a candidate at all
     try:
         terms = [_score_term(t) for t in logits.terms]
@@ -715,13 +720,24 @@ def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Op
     """The mask as [batch or 1, rows]: bool where a row counts, or an additive float bias."""
     aten = torch.ops.aten
     logits = cand.logits
-    if logits.bias is not None and logits.admit is not None:
-        raise Decline("both a boolean and an additive mask")
-    mask = logits.bias if logits.bias is not None else logits.admit
-    if mask is None:
-        return None
-    negate = isinstance(mask, tuple)
-    mask = mask[1] if negate else mask
+    bias = _as_rows_mask(emit, cand, logits.bias, batch, rows) if logits.bias is not None else None
+    if bias is not None and logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
+        bias = emit(aten.mul.Tensor, bias, logits.bias_scale)
+    admit = None
+    if logits.admit is not None:
+        negate = isinstance(logits.admit, tuple)
+        admit = _as_rows_mask(emit, cand, logits.admit[1] if negate else logits.admit, batch, rows)
+        if negate:
+            admit = emit(aten.logical_not.default, admit)
+    if bias is None or admit is None:
+        return admit if bias is None else bias
+    return emit(aten.where.self, admit, bias, emit(aten.full.default, [], float("-inf"), dtype=bias.meta["val"].dtype,
+                                                   device=bias.meta["val"].device, pin_memory=False))
+
+
+def _as_rows_mask(emit: Emitter, cand: _Candidate, mask: torch.fx.Node, batch: int, rows: int) -> torch.fx.Node:
+    """A mask broadcast over the scores as [batch or 1, rows], if it is one per request and row."""
+    aten = torch.ops.aten
     shape = contraction.shape(mask)
     roles = cand.terms[0].scores_roles[len(cand.terms[0].scores_roles) - len(shape):]
     kept = []
@@ -734,10 +750,7 @@ def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Op
         kept.append(names[0])
     if kept not in ([], ["rows"], ["request", "rows"]):
         raise Decline("the mask is not per request and row")
-    mask = emit(aten.reshape.default, mask, [batch if "request" in kept else 1, rows])
-    if negate:
-        mask = emit(aten.logical_not.default, mask)
-    return mask
+    return emit(aten.reshape.default, mask, [batch if "request" in kept else 1, rows])
 
 
 def rewrite_latent_attention(graph: torch.fx.Graph, stage: str) -> int:

@@ -37,7 +37,43 @@ def test_reference_is_independent_of_the_spellings():
     torch.testing.assert_close(op.double(), ld.reference_fp64(x), atol=1e-5, rtol=1e-5)
 
 
+def _bias_before_scale(q_lat, q_pe, paged, block_tables, seq_lens, w_vc, bias):
+    """A finite per-row bias (ALiBi-like) added before the scale, and a length mask by masked_fill."""
+    q = torch.cat([q_lat, q_pe], -1)
+    kv = paged[block_tables].flatten(1, 2)
+    scores = (torch.einsum("bhc,btc->bht", q, kv) + bias[:, None, :]) * ld.SCALE
+    scores = scores.masked_fill(~ld._valid(seq_lens)[:, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("bhc,hdc->bhd", torch.einsum("bht,btc->bhc", probs, kv[..., : ld.LATENT]), w_vc)
+
+
+def test_a_bias_added_before_the_scale_is_scaled_with_the_scores():
+    x = ld.make_inputs(torch.float32)
+    args = (x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, x.w_vc, torch.randn(x.batch, ld.ROWS))
+    out, events = rewrite_and_run(_bias_before_scale, *args)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    torch.testing.assert_close(out, _bias_before_scale(*args), atol=1e-5, rtol=1e-5)
+
+
 # --- where it must not fire ------------------------------------------------------------------------
+
+
+def _scaled_apart(q_lat, q_pe, paged, block_tables, seq_lens, w_vc):
+    """The latent and rope products scaled differently: not one attention scale."""
+    kv = paged[block_tables].flatten(1, 2)
+    scores = (torch.bmm(q_lat, kv[..., : ld.LATENT].transpose(1, 2)) * 0.5
+              + torch.bmm(q_pe, kv[..., ld.LATENT :].transpose(1, 2)) * 0.25)
+    scores = scores.masked_fill(~ld._valid(seq_lens)[:, None, :], float("-inf"))
+    return torch.bmm(torch.bmm(scores.softmax(-1), kv[..., : ld.LATENT]).transpose(0, 1), w_vc.transpose(1, 2))
+
+
+def test_declines_scores_scaled_apart():
+    x = ld.make_inputs(torch.float32)
+    args = (x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, x.w_vc)
+    out, events = rewrite_and_run(_scaled_apart, *args)
+    assert fired(events, "mla_decode") == 0
+    assert "the score contractions are scaled differently" in declined(events, "mla_decode")
+    torch.testing.assert_close(out, _scaled_apart(*args))
 
 
 def _prefill_two_rows(q, paged, block_tables, seq_lens, w_vc):
