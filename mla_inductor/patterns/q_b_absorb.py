@@ -218,6 +218,8 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
         raise Decline("q_nope and q_pe are not parts of one q_b_proj")
     query = op.args[0]
     tokens, heads, kv_lora_rank = contraction.shape(query)
+    if contraction.shape(x.origin)[0] != tokens:  # the op projects every row of q_a
+        raise Decline("the query reads some of q_b_proj's rows, not all")
     row = contraction.shape(x.origin)[1] // heads
     cos, sin, style = q_pe.origin.args[1:4]
     rope = 2 * contraction.shape(cos)[-1]
