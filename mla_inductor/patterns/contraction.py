@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Hashable, Optional, Sequence
 
 import torch
@@ -147,7 +148,9 @@ class Layout:
 
     def select(self, dim: int, index: int) -> "Layout":
         dim %= len(self.dims)
-        out = self.slice(dim, index, index + 1) if index >= 0 else self.slice(dim, index, index + 1 or self.sizes()[dim])
+        size = self.sizes()[dim]
+        index = index + size if index < 0 else index
+        out = self.slice(dim, index, index + 1)
         del out.dims[dim]
         return out
 
@@ -165,8 +168,6 @@ LAYOUT_OPS = _VIEWS | _SAME | {
 
 
 def _getitem_of_split(node: Node) -> bool:
-    import operator
-
     return (node.op == "call_function" and node.target is operator.getitem
             and isinstance(node.args[0], Node) and node.args[0].target in _SPLITS)
 

@@ -9,6 +9,7 @@ counted and explained (record.py).
 from __future__ import annotations
 
 import functools
+import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -161,8 +162,6 @@ def canonical_gemm_splits(graph: torch.fx.Graph) -> int:
     Model code cuts a fused projection's output by one split into three, by nested splits, or by
     slicing; all three are the same pieces. Only GEMM outputs are touched: slices of head-split views
     (RoPE's halves) are spelled as the patterns expect already. Returns how many cuts were rewritten."""
-    import operator
-
     aten = torch.ops.aten
     rewritten = 0
     for node in list(graph.nodes):
@@ -204,8 +203,6 @@ def canonical_gemm_splits(graph: torch.fx.Graph) -> int:
 
 def _nested_split(graph, node, bounds, pieces) -> None:
     """The pieces of `node`'s last dim at `bounds`, cut as right-nested splits in two on dim -1."""
-    import operator
-
     aten = torch.ops.aten
     fake_mode = node.meta["val"].fake_mode
     rest = node
