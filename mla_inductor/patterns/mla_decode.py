@@ -590,7 +590,8 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         f = fb if probs_is_a else fa
         if f is not None and f.label is not None:
             cache_roles[f] = {"rows": "rows", "request": "request", "latent": "columns"}.get(value_roles[axis], "?")
-    if "?" in cache_roles.values() or set(value_roles.values()) - {"request", "head", "rows", "latent"}:
+    summed_rows = all((axis[0] == "k") == (role == "rows") for axis, role in value_roles.items())
+    if "?" in cache_roles.values() or not summed_rows:
         raise Decline("P.V does not contract the probabilities' rows with the cache rows")
     vread = _cache_read(value.b if probs_is_a else value.a, cache_roles)
     latent_term = next((t for t in terms if t.cache.start == 0 and t.cache.cache is vread.cache), None)
@@ -611,7 +612,10 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         candidate_roles = _roles_of_contraction(c, o_is_a, out_roles, "value", "request")
         contracted = {candidate_roles[a] for a in c.axes if a[0] == "k"}
         w = c.b if o_is_a else c.a
-        if contracted == {"latent"} and not _reads_cache(w, terms):
+        # W_vc: one matrix per head (a weight shared by the heads stays the model's own product)
+        per_head = any(role == "head" and c.axes[a][1 if o_is_a else 0] is not None
+                       and c.axes[a][1 if o_is_a else 0].label is not None for a, role in candidate_roles.items())
+        if contracted == {"latent"} and per_head and not _reads_cache(w, terms):
             w_vc, w_roles = c, candidate_roles
             end, layout, _ = c.result()
             latent_roles = dim_roles(layout, w_roles)
@@ -694,8 +698,6 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
                    "latent": kv_lora_rank}
         w_axes = [a for dim in operand_axes(c, w_is_a) for a in dim]
         repeated = [a for a in w_axes if c.axes[a][0 if w_is_a else 1].label is None]  # matmul's expand
-        if "head" not in {cand.w_roles[a] for a in w_axes} and heads != 1:
-            raise Decline("W_vc is not per head")
         node = c.node.args[0] if w_is_a else c.node.args[1]
         w_vc = in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), dict(sizes, **v_sizes),
                              broadcast=repeated)

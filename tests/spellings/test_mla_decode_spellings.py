@@ -55,6 +55,22 @@ def test_a_bias_added_before_the_scale_is_scaled_with_the_scores():
     torch.testing.assert_close(out, _bias_before_scale(*args), atol=1e-5, rtol=1e-5)
 
 
+def _projection_shared_by_heads(q_lat, q_pe, paged, block_tables, seq_lens, w_shared):
+    """The latent output times one matrix for every head: not W_vc, so it stays the model's product."""
+    kv = paged[block_tables].flatten(1, 2)
+    scores = torch.einsum("bhd,btd->bht", torch.cat([q_lat, q_pe], -1), kv) * ld.SCALE
+    scores = scores.masked_fill(~ld._valid(seq_lens)[:, None, :], float("-inf"))
+    return torch.einsum("bht,btc->bhc", scores.softmax(-1), kv[..., : ld.LATENT]) @ w_shared
+
+
+def test_a_projection_shared_by_the_heads_is_not_taken_for_w_vc():
+    x = ld.make_inputs(torch.float32)
+    args = (x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, torch.randn(ld.LATENT, ld.V_HEAD))
+    out, events = rewrite_and_run(_projection_shared_by_heads, *args)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    torch.testing.assert_close(out, _projection_shared_by_heads(*args), atol=1e-5, rtol=1e-5)
+
+
 # --- where it must not fire ------------------------------------------------------------------------
 
 
