@@ -54,6 +54,33 @@ def test_op_matches_fp64_definition(layout, is_neox, dtype):
                         cache, is_neox)
 
 
+# SGLang's kernel takes positions flat ([B * S]) for [B, S, ...] tensors too (its tests call it so).
+FLAT_POSITIONS = {
+    "4d_flat": ((6,), (2, 3, 4, 128), (2, 3, 2, 128), 128, 64),
+    "3d_batch_seq_flat": ((6,), (2, 3, 4 * 64), (2, 3, 64), 64, 64),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(FLAT_POSITIONS))
+@pytest.mark.parametrize("is_neox", [False, True])
+def test_flat_positions_number_the_tokens_of_a_batch_seq_tensor(layout, is_neox):
+    pos_shape, q_shape, k_shape, head_size, rotary_dim = FLAT_POSITIONS[layout]
+    g = torch.Generator().manual_seed(4)
+    positions = torch.randint(0, 50, pos_shape, generator=g)
+    query, key = torch.randn(q_shape, generator=g), torch.randn(k_shape, generator=g)
+    cache = torch.randn(50, rotary_dim, generator=g)
+    expected = op(positions.view(q_shape[:2]), query, key, head_size, cache, is_neox)  # the [B, S] form
+    assert_matches_fp64(expected, positions.view(q_shape[:2]), query, key, head_size, cache, is_neox)
+    for out, want in zip(op(positions, query, key, head_size, cache, is_neox), expected):
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p, q, k: op(p, q, k, head_size, cache, is_neox), dynamic=False)
+    outputs, (code,) = run_and_get_code(compiled, positions, query, key)
+    assert "mi::rope_head" in code and "torch.ops.mla.rotary_embedding" not in code
+    for out, want in zip(outputs, expected):
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+
+
 def test_op_matches_the_models_interleaved_rope():
     from mla_inductor.models.mla import apply_rope_interleaved
 

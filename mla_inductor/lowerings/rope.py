@@ -11,6 +11,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
+from ..ops.rope import token_shape
 from .template import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input
 
 OP = torch.ops.mla.rotary_embedding.default
@@ -76,7 +77,12 @@ def _template_can_serve(positions, query, cos_sin_cache) -> bool:
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox):
-    dims = _compile_time_dims(positions, query, key, head_size, cos_sin_cache)
+    tokens = token_shape(query.get_size(), positions.get_size())
+    if len(tokens) != len(positions.get_size()):  # SGLang's flat positions for [B, S, ...]: viewed as [B, S]
+        positions = L.view(positions, list(tokens))
+    # A layout the token dims do not explain (flat positions of a dynamic [B, S, ...]): the reference serves it
+    readable = len(query.get_size()) - len(tokens) in (1, 2) and len(key.get_size()) - len(tokens) in (1, 2)
+    dims = _compile_time_dims(positions, query, key, head_size, cos_sin_cache) if readable else None
     if dims is None or not _template_can_serve(positions, query, cos_sin_cache):
         return L.fallback_handler(OP, add_to_fallback_set=False)(positions, query, key, head_size, cos_sin_cache,
                                                                  is_neox)

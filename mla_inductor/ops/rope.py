@@ -13,7 +13,8 @@ rotary_dim values of every head are rotated, the rest of the head is passed thro
 
 Layouts: a tensor is [*tokens, heads * head_size] or [*tokens, heads, head_size], where `tokens` is
 positions' shape: 2-D [T, H*d] and 3-D [T, H, d] with positions [T], 4-D [B, S, H, d] with positions
-[B, S]. Query and key may have different head counts. Unlike SGLang, which rotates 2-D inputs in
+[B, S]. As SGLang's kernel, positions may also be flat ([B * S]) for a [B, S, H, d] or [B, S, H*d]
+tensor: they are then read in the tensor's token order. Query and key may have different head counts. Unlike SGLang, which rotates 2-D inputs in
 place, the op is functional: it returns new (query, key), so that it can stand in a traced graph.
 
 mla::apply_rope(x, cos, sin, style): x [..., d] rotated by cos/sin [..., rotary_dim / 2] (broadcast
@@ -45,9 +46,19 @@ def _fail(message: str) -> None:
     raise ValueError(f"mla::rotary_embedding: {message}")
 
 
-def _heads(name: str, t: Tensor, positions: Tensor, head_size: int) -> int:
-    """Number of heads of `t`, checking its layout against positions and head_size."""
-    tokens = tuple(positions.shape)
+def token_shape(query_shape, positions_shape) -> tuple:
+    """The token dims positions stand for: their own shape, or (SGLang's flat form) the first two
+    dims of a [B, S, ...] query whose B * S they number."""
+    positions_shape, query_shape = tuple(positions_shape), tuple(query_shape)
+    if query_shape[: len(positions_shape)] == positions_shape:
+        return positions_shape
+    if len(positions_shape) == 1 and len(query_shape) >= 3 and query_shape[0] * query_shape[1] == positions_shape[0]:
+        return query_shape[:2]
+    return positions_shape
+
+
+def _heads(name: str, t: Tensor, positions: Tensor, head_size: int, tokens: tuple) -> int:
+    """Number of heads of `t`, checking its layout against the token dims and head_size."""
     if t.dim() == len(tokens) + 1 and tuple(t.shape[:-1]) == tokens:
         if t.shape[-1] % head_size:
             _fail(f"{name} [*tokens, heads * head_size] has last dim {t.shape[-1]}, not a multiple of head_size={head_size}")
@@ -58,7 +69,7 @@ def _heads(name: str, t: Tensor, positions: Tensor, head_size: int) -> int:
         return t.shape[-2]
     _fail(
         f"{name} must be [*tokens, heads * head_size] or [*tokens, heads, head_size] with tokens = positions' "
-        f"shape {list(tokens)}, got {list(t.shape)}"
+        f"shape {list(positions.shape)} (or [B, S] for flat positions of B * S), got {list(t.shape)}"
     )
 
 
@@ -79,8 +90,9 @@ def check_args(positions, query, key, head_size, cos_sin_cache) -> None:
     rotary_dim = cos_sin_cache.shape[1]
     if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > head_size:
         _fail(f"cos_sin_cache's rotary_dim (its last dim, {rotary_dim}) must be even and in [2, head_size={head_size}]")
-    _heads("query", query, positions, head_size)
-    _heads("key", key, positions, head_size)
+    tokens = token_shape(query.shape, positions.shape)
+    _heads("query", query, positions, head_size, tokens)
+    _heads("key", key, positions, head_size, tokens)
 
 
 def check_positions(positions: Tensor, cos_sin_cache: Tensor, fail=_fail) -> None:
@@ -112,7 +124,8 @@ def rotate_pairs(x: Tensor, cos: Tensor, sin: Tensor, is_neox: bool, to_halves: 
 
 def rotate(x: Tensor, positions: Tensor, head_size: int, cos_sin_cache: Tensor, is_neox: bool) -> Tensor:
     """One tensor's rotation (the op's reference math); the result has x's shape and dtype."""
-    heads = _heads("x", x, positions, head_size)
+    positions = positions.reshape(token_shape(x.shape, positions.shape))
+    heads = _heads("x", x, positions, head_size, tuple(positions.shape))
     shaped = x.reshape(*positions.shape, heads, head_size)
     rotary_dim = cos_sin_cache.shape[1]
     cos, sin = cos_sin_cache[positions.long()].unsqueeze(-2).chunk(2, dim=-1)
@@ -142,6 +155,7 @@ def _(positions, query, key, head_size, cos_sin_cache, is_neox):
 
 def reference_fp64(positions, x, head_size, cos_sin_cache, is_neox) -> Tensor:
     """An independent fp64 rotation, one head element at a time from the definition, for tests."""
+    positions = positions.reshape(token_shape(x.shape, positions.shape))
     heads = x.shape[-1] // head_size if x.dim() == positions.dim() + 1 else x.shape[-2]
     flat = x.reshape(-1, heads, head_size).double()
     pos = positions.reshape(-1).tolist()
