@@ -19,7 +19,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 from . import config as mla_config
 from . import record
 from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, register_all
-from .patterns.registry import apply_graph_rewrites, canonical_gemm_splits
+from .patterns.registry import apply_anchored_rewrites, canonical_gemm_splits
 
 _MAX_ROUNDS = 3
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -59,7 +59,7 @@ class MLAPass(CustomGraphPass):
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):
             matched = pattern_pass(self.stage).apply(graph)
-            rewritten = apply_graph_rewrites(graph, self.stage)
+            rewritten = apply_anchored_rewrites(graph, self.stage)
             if not (matched or rewritten):
                 break
             changed = True

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 from torch.fx import Node
@@ -331,17 +331,21 @@ def _align(fa: list[Factor], fb: list[Factor]) -> tuple[list[Factor], list[Facto
 # --- building a fused op's arguments from the roles of axes ----------------------------------------
 
 
-def dim_roles(layout: Layout, role_of_axis: dict) -> list[list[tuple[str, int, int]]]:
-    """Per dim of a contraction's output (or of a tensor traced from it): (role, size, stride in the
-    dim) of each factor, outer to inner."""
+def dim_roles(layout: Layout, role_of: Callable[[Factor], str]) -> list[list[tuple[str, int, int]]]:
+    """Per dim of a tensor: (role, size, stride in the dim) of each factor, outer to inner."""
     out = []
     for dim in layout.dims:
         entries, stride = [], 1
         for f in reversed(dim):
-            entries.append((role_of_axis[f.label], f.size, stride))
+            entries.append((role_of(f), f.size, stride))
             stride *= f.size
         out.append(entries[::-1])
     return out
+
+
+def axis_roles(layout: Layout, role_of_axis: dict) -> list[list[tuple[str, int, int]]]:
+    """`dim_roles` of a contraction's output (or of a tensor traced from it), whose factors are axes."""
+    return dim_roles(layout, lambda f: role_of_axis[f.label])
 
 
 def role_through(factor: Factor, roles: list) -> str:
@@ -371,19 +375,25 @@ class Emitter:
         node.meta["nn_module_stack"] = self.module_stack
         return node
 
+    def cast(self, node: Node, dtype: torch.dtype) -> Node:
+        """node in `dtype` (itself when it already is)."""
+        return node if node.meta["val"].dtype == dtype else self(prims.convert_element_type.default, node, dtype)
 
-def operand_axes(c: Contraction, of_a: bool) -> list[list]:
-    """The axes of each dim of a bmm operand, in order (batch, m, k for a; batch, k, n for b)."""
+
+def operand_in_role_order(emit: Emitter, c: Contraction, of_a: bool, roles: dict, order: Sequence[str],
+                          sizes: dict) -> Node:
+    """A bmm operand (a if of_a) as a tensor of dims `order` (of `sizes`; a role no axis has is a dim
+    of 1), its axes named by `roles`. An axis of another role along which this operand is broadcast
+    (an expand the graph materialised, e.g. matmul's over a weight) is read at its first index."""
     groups = ("batch", "m", "k") if of_a else ("batch", "k", "n")
-    dims = [[ax for ax in c.axes if ax[0] == g] for g in groups]
-    return dims if c.node.target is aten.bmm.default else dims[1:]
+    axes = [ax for g in groups[0 if c.node.target is aten.bmm.default else 1:] for ax in c.axes if ax[0] == g]
+    broadcast = [a for a in axes if roles[a] not in order and c.axes[a][0 if of_a else 1].label is None]
+    return _in_role_order(emit, c.node.args[0 if of_a else 1], axes, roles, order, sizes, broadcast)
 
 
-def in_role_order(emit: Emitter, node: Node, axes: list, roles: dict, order: Sequence[str],
-                   sizes: dict, broadcast: Sequence = ()) -> Node:
-    """node, whose dims flattened are `axes` (outer to inner, each of one role), as a tensor of dims
-    `order` (of `sizes`; a role no axis has is a dim of 1). Axes in `broadcast` repeat the same values
-    (an expand the graph materialised): their first index is taken."""
+def _in_role_order(emit: Emitter, node: Node, axes: list, roles: dict, order: Sequence[str],
+                   sizes: dict, broadcast: Sequence) -> Node:
+    """node, whose dims flattened are `axes` (outer to inner, each of one role), as a tensor of dims `order`."""
     if any(roles[a] not in order and a not in broadcast for a in axes):
         raise Decline(f"an operand has a dim that is none of {', '.join(order)}")
     flat = emit(aten.reshape.default, node, [sizes[roles[a]] for a in axes])
@@ -408,8 +418,6 @@ def from_role_order(emit: Emitter, node: Node, order: Sequence[str], sizes: dict
         raise Decline("the result does not hold one request x head x column per element")
     flat = emit(aten.reshape.default, node, [sizes[r] for r in present])
     flat = emit(aten.permute.default, flat, [present.index(r) for r in sequence])
-    out = emit(aten.reshape.default, flat, shape(result))
-    dtype = result.meta["val"].dtype
-    return out if dtype == out.meta["val"].dtype else emit(torch.ops.prims.convert_element_type.default, out, dtype)
+    return emit.cast(emit(aten.reshape.default, flat, shape(result)), result.meta["val"].dtype)
 
 

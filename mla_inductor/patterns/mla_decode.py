@@ -24,10 +24,9 @@ from torch._inductor.pattern_matcher import Match
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
-from ..record import record_decision
 from . import contraction
-from .contraction import Decline, Emitter, dim_roles, from_role_order, in_role_order, operand_axes, role_through
-from .registry import node_value, register_fusion, register_graph_rewrite, upcast
+from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, role_through
+from .registry import node_value, register_anchored_rewrite, register_fusion, upcast
 
 FUSION = "mla_decode"
 # Magic values the traced patterns turn back into arguments (distinct from every size and literal).
@@ -251,7 +250,7 @@ def _hf_inputs(batch: int, dtype: torch.dtype) -> list:
 
 
 def register() -> None:
-    register_graph_rewrite(FUSION, rewrite_latent_attention)
+    register_anchored_rewrite(FUSION, _softmax_divisions, rewrite_latent_attention)
     for dtype in (torch.bfloat16, torch.float32):
         register_fusion(
             FUSION,
@@ -513,7 +512,7 @@ def _score_term(node: torch.fx.Node) -> _Term:
     if len(heads) > 1:
         raise Decline("the queries have more than one row per request and head (prefill?)")
     cache = _cache_read(c.b if query_is_a else c.a, cache_roles)
-    return _Term(c, query_is_a, axis_role, cache, dim_roles(layout, axis_role))
+    return _Term(c, query_is_a, axis_role, cache, axis_roles(layout, axis_role))
 
 
 @dataclasses.dataclass
@@ -603,12 +602,12 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     if (vread.rows, vread.tables) != (latent_term.cache.rows, latent_term.cache.tables):
         raise Decline("P.V reads other rows than the scores")
     end, layout, _ = value.result()
-    latent_roles = dim_roles(layout, value_roles)
+    latent_roles = axis_roles(layout, value_roles)
     w_vc, w_roles = None, None
     after = _next_contraction(value.node)
     if after is not None:
         c, o_is_a = after
-        out_roles = dim_roles(value.output_layout(), value_roles)
+        out_roles = axis_roles(value.output_layout(), value_roles)
         candidate_roles = _roles_of_contraction(c, o_is_a, out_roles, "value", "request")
         contracted = {candidate_roles[a] for a in c.axes if a[0] == "k"}
         w = c.b if o_is_a else c.a
@@ -618,7 +617,7 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         if contracted == {"latent"} and per_head and not _reads_cache(w, terms):
             w_vc, w_roles = c, candidate_roles
             end, layout, _ = c.result()
-            latent_roles = dim_roles(layout, w_roles)
+            latent_roles = axis_roles(layout, w_roles)
     return _Candidate(terms, logits, div, value, value_roles, w_vc, w_roles, end, latent_roles)
 
 
@@ -657,8 +656,7 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
             raise Decline("the scores read part of the cache row only")
         kv_lora_rank, rope_cache = _latent_columns(cand), None
     elif rope.cache.cache is lat_read.cache:
-        if (lat_read.columns, rope.cache.start, lat_read.columns + rope.cache.columns) != (
-                lat_read.columns, lat_read.columns, columns):
+        if rope.cache.start != lat_read.columns or lat_read.columns + rope.cache.columns != columns:
             raise Decline("the rope columns do not follow the latent ones to the end of the cache row")
         kv_lora_rank, rope_cache = lat_read.columns, None
     else:
@@ -671,12 +669,9 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
 
     queries = []
     for t in (latent, rope) if rope is not None else (latent,):
-        c = t.contraction
-        node = c.node.args[0] if t.query_is_a else c.node.args[1]
-        q_sizes = dict(sizes, feature=t.cache.columns)
-        q = in_role_order(emit, node, [a for dim in operand_axes(c, t.query_is_a) for a in dim], t.axis_role,
-                           ("request", "head", "feature"), q_sizes)
-        queries.append(q if q.meta["val"].dtype == dtype else emit(torch.ops.prims.convert_element_type.default, q, dtype))
+        q = operand_in_role_order(emit, t.contraction, t.query_is_a, t.axis_role, ("request", "head", "feature"),
+                                  dict(sizes, feature=t.cache.columns))
+        queries.append(emit.cast(q, dtype))
     q = queries[0] if len(queries) == 1 else emit(aten.cat.default, queries, -1)
 
     kv = _cache_argument(emit, lat_read, batch)
@@ -696,13 +691,8 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         w_is_a = c.b.origin is cand.value.node
         v_sizes = {"head": heads, "value": next(s for a, (_, _, s) in c.axes.items() if cand.w_roles[a] == "value"),
                    "latent": kv_lora_rank}
-        w_axes = [a for dim in operand_axes(c, w_is_a) for a in dim]
-        repeated = [a for a in w_axes if c.axes[a][0 if w_is_a else 1].label is None]  # matmul's expand
-        node = c.node.args[0] if w_is_a else c.node.args[1]
-        w_vc = in_role_order(emit, node, w_axes, cand.w_roles, ("head", "value", "latent"), dict(sizes, **v_sizes),
-                             broadcast=repeated)
-        if w_vc.meta["val"].dtype != dtype:
-            w_vc = emit(torch.ops.prims.convert_element_type.default, w_vc, dtype)
+        w_vc = emit.cast(operand_in_role_order(emit, c, w_is_a, cand.w_roles, ("head", "value", "latent"),
+                                               dict(sizes, **v_sizes)), dtype)
         out_order, out_sizes = ("request", "head", "value"), dict(sizes, value=v_sizes["value"])
     else:
         out_order, out_sizes = ("request", "head", "latent"), dict(sizes, latent=kv_lora_rank)
@@ -755,24 +745,14 @@ def _as_rows_mask(emit: Emitter, cand: _Candidate, mask: torch.fx.Node, batch: i
     return emit(aten.reshape.default, mask, [batch if "request" in kept else 1, rows])
 
 
-def rewrite_latent_attention(graph: torch.fx.Graph, stage: str) -> int:
-    """The anchored match (see above): every softmax that reads latent attention scores."""
-    fired = 0
-    for div in [n for n in graph.nodes if _node_is(n, torch.ops.aten.div.Tensor)]:
-        if not div.users:
-            continue  # left behind by a rewrite of this walk
-        try:
-            cand = _find_candidate(div)
-            if cand is None:
-                continue
-            _rewrite(graph, cand)
-        except contraction.DynamicSize:
-            record_decision(FUSION, [div], stage, "dynamic sizes: the anchored match needs static shapes")
-        except (Decline, contraction.Unsupported) as why:
-            record_decision(FUSION, [div], stage, str(why))
-        else:
-            record_decision(FUSION, [div], stage, None)
-            fired += 1
-    if fired:
-        graph.eliminate_dead_code()  # the replaced chains, before the next round walks them again
-    return fired
+def _softmax_divisions(graph: torch.fx.Graph) -> list:
+    return [n for n in graph.nodes if _node_is(n, torch.ops.aten.div.Tensor)]
+
+
+def rewrite_latent_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
+    """The anchored match (see above) on a softmax that may read latent attention scores."""
+    cand = _find_candidate(div)
+    if cand is None:
+        return False
+    _rewrite(graph, cand)
+    return True

@@ -24,9 +24,8 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
-from ..record import record_decision
 from . import contraction
-from .registry import node_value, register_fusion, register_graph_rewrite, size_hint
+from .registry import node_value, register_anchored_rewrite, register_fusion, size_hint
 from .rope import gptj_upcast
 
 FUSION = "q_b_absorb"
@@ -123,7 +122,7 @@ def _transformers_inputs() -> list:
 
 
 def register() -> None:
-    register_graph_rewrite(FUSION, rewrite_absorbed_queries)
+    register_anchored_rewrite(FUSION, _latent_attention_ops, rewrite_absorbed_query)
     for dtype in (torch.bfloat16, torch.float32):
         register_fusion(
             FUSION,
@@ -172,14 +171,7 @@ def _slice_roles(operand: contraction.Operand, heads: int, row: int, start: int,
     """Per dim of a q_b_proj slice: (role, size, stride in the dim) of its factors (contraction.dim_roles)."""
     if operand.layout.offsets.get(0, 0) != 0 or operand.layout.offsets.get(1, 0) != start or operand.casts:
         raise contraction.Decline("a query slice does not start where the heads' columns do")
-    out = []
-    for dim in operand.layout.dims:
-        entries, stride = [], 1
-        for f in reversed(dim):
-            entries.append((_column_role(f, heads, row, width), f.size, stride))
-            stride *= f.size
-        out.append(entries[::-1])
-    return out
+    return contraction.dim_roles(operand.layout, lambda f: _column_role(f, heads, row, width))
 
 
 def _roles_in_order(operand: contraction.Operand, source_roles: list) -> list[str]:
@@ -241,14 +233,11 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
             axis_role[axis] = "nope" if role == "feature" else role
         if (axis[0] == "k") != (axis_role[axis] == "nope"):
             raise Decline("the absorption does not contract q_nope's columns alone")
-    lat_roles = contraction.dim_roles(absorb.output_layout(), axis_role)
+    lat_roles = contraction.axis_roles(absorb.output_layout(), axis_role)
     if _roles_in_order(q_lat, lat_roles) != [r for r in ("token", "head", "latent") if sizes[r] > 1]:
         raise Decline("the query's latent part is not [tokens, heads, kv_lora_rank]")
     emit = contraction.Emitter(graph, op, like=op)
-    w_axes = [a for dim in contraction.operand_axes(absorb, not x_is_a) for a in dim]
-    repeated = [a for a in w_axes if absorb.axes[a][1 if x_is_a else 0].label is None]  # matmul's expand
-    w_kc = contraction.in_role_order(emit, absorb.node.args[1 if x_is_a else 0], w_axes, axis_role,
-                                     ("head", "nope", "latent"), sizes, broadcast=repeated)
+    w_kc = contraction.operand_in_role_order(emit, absorb, not x_is_a, axis_role, ("head", "nope", "latent"), sizes)
     trig = []
     for t in (cos, sin):
         rows = math.prod(contraction.shape(t)[:-1])
@@ -263,27 +252,17 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
     if not template_wins(tokens, q_a.meta["val"].dtype):
         raise Decline(f"{tokens} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster")
     fused = emit(torch.ops.mla.q_b_absorb.default, q_a, q_b_weight, w_kc, *trig, style)
-    if fused.meta["val"].dtype != query.meta["val"].dtype:
-        fused = emit(torch.ops.prims.convert_element_type.default, fused, query.meta["val"].dtype)
-    op.replace_input_with(query, fused)
+    op.replace_input_with(query, emit.cast(fused, query.meta["val"].dtype))
 
 
-def rewrite_absorbed_queries(graph: torch.fx.Graph, stage: str) -> int:
-    """The anchored match (see above) on the query of every latent attention op."""
-    fired = 0
-    for op in [n for n in graph.nodes if n.target is torch.ops.mla.latent_decode_attention.default]:
-        try:
-            cat = _query_cat(op.args[0])
-            if cat is None:
-                continue  # a query built otherwise (or already fused): no candidate
-            _absorbed_query(graph, op, cat)
-        except contraction.DynamicSize:
-            record_decision(FUSION, [op], stage, "dynamic sizes: the anchored match needs static shapes")
-        except (contraction.Decline, contraction.Unsupported) as why:
-            record_decision(FUSION, [op], stage, str(why))
-        else:
-            record_decision(FUSION, [op], stage, None)
-            fired += 1
-    if fired:
-        graph.eliminate_dead_code()
-    return fired
+def _latent_attention_ops(graph: torch.fx.Graph) -> list:
+    return [n for n in graph.nodes if n.target is torch.ops.mla.latent_decode_attention.default]
+
+
+def rewrite_absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node) -> bool:
+    """The anchored match (see above) on the query of a latent attention op."""
+    cat = _query_cat(op.args[0])
+    if cat is None:
+        return False  # a query built otherwise (or already fused): no candidate
+    _absorbed_query(graph, op, cat)
+    return True

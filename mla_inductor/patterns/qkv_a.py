@@ -29,10 +29,9 @@ from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
 # Distinct magic eps values: each literal in a traced pattern becomes the argument it stands for.
-_EPS_WORKAROUND = {"q_eps": 3.25e-6, "kv_eps": 7.75e-6}
-# F.rms_norm's decomposition rounds eps to fp32 before it reaches the graph: its magic values must be
-# exact in fp32 for the traced literal to be recognised.
-_FP32_EPS_WORKAROUND = {"q_eps": 2.0**-18, "kv_eps": 2.0**-17}
+# Exact in fp32: F.rms_norm's decomposition rounds eps to fp32 before it reaches the graph, and the
+# traced literal must be the magic value to be recognised.
+_EPS_WORKAROUND = {"q_eps": 2.0**-18, "kv_eps": 2.0**-17}
 
 
 def rms_norm(x, weight, eps):
@@ -206,7 +205,7 @@ def _arg_names(fn) -> tuple[str, ...]:
     return fn.__code__.co_varnames[: fn.__code__.co_argcount]
 
 
-def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool, eps_values: dict) -> list:
+def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool) -> list:
     """Small inputs with all sizes distinct, so that no view or split traces as a no-op."""
     hidden, q_rows, kv_lora_rank, rope = 24, 10, 12, 6
     sizes = {
@@ -222,7 +221,7 @@ def _example_inputs(search_fn, x_dims: int, dtype: torch.dtype, tensor_eps: bool
     args = []
     for name in _arg_names(search_fn):
         if name.endswith("eps"):
-            args.append(torch.tensor(1e-6, dtype=torch.float64) if tensor_eps else eps_values[name])
+            args.append(torch.tensor(1e-6, dtype=torch.float64) if tensor_eps else _EPS_WORKAROUND[name])
         else:
             args.append(torch.empty(sizes[name], dtype=dtype))
     return args
@@ -238,14 +237,13 @@ def register() -> None:
             continue  # size-agnostic: eps binds as an argument either way, the float pattern serves both
         if torch_norm and tensor_eps:
             continue  # F.rms_norm takes eps as a float only
-        eps_values = _FP32_EPS_WORKAROUND if torch_norm else _EPS_WORKAROUND
         register_fusion(
             FUSION,
             search_fn,
             replace_fn,
-            _example_inputs(search_fn, x_dims, dtype, tensor_eps, eps_values),
+            _example_inputs(search_fn, x_dims, dtype, tensor_eps),
             check,
-            scalar_workaround={} if tensor_eps else eps_values,
+            scalar_workaround={} if tensor_eps else _EPS_WORKAROUND,
             size_agnostic=x_dims == 3,
             # Two projections, two weights: without this one GEMM could serve as both (q = kv).
             exclusive_arg_names=("q_weight", "kv_weight") if "q_weight" in _arg_names(search_fn) else (),

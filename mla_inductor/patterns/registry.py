@@ -17,7 +17,8 @@ from torch._inductor.fx_passes.post_grad import view_to_reshape
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, gen_pattern, register_replacement
 
 from .. import config as mla_config
-from ..record import checked
+from ..record import checked, record_decision
+from . import contraction
 
 STAGES = ("joint", "post_grad")
 _PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
@@ -137,22 +138,41 @@ def register_fusion(
 
 
 
-# Fusions found by walking the graph from an anchor (patterns/contraction.py) rather than by a traced
-# pattern: rewrite(graph, stage) replaces what it can and returns how many it replaced.
-_GRAPH_REWRITES: list[tuple[str, Callable[[torch.fx.Graph, str], int]]] = []
+# Fusions found by walking the graph from anchors (patterns/contraction.py) rather than by a traced
+# pattern: anchors(graph) lists the candidates' anchor nodes; rewrite(graph, anchor) replaces what the
+# anchor stands for and returns True, returns False where the anchor is no candidate at all, and
+# raises contraction.Decline (or Unsupported) with the reason where a candidate falls short.
+_ANCHORED: list[tuple[str, Callable, Callable]] = []
 
 
-def register_graph_rewrite(fusion: str, rewrite: Callable[[torch.fx.Graph, str], int]) -> None:
-    if (fusion, rewrite) not in _GRAPH_REWRITES:
-        _GRAPH_REWRITES.append((fusion, rewrite))
+def register_anchored_rewrite(fusion: str, anchors: Callable[[torch.fx.Graph], list],
+                              rewrite: Callable[[torch.fx.Graph, torch.fx.Node], bool]) -> None:
+    if (fusion, anchors, rewrite) not in _ANCHORED:
+        _ANCHORED.append((fusion, anchors, rewrite))
 
 
-def apply_graph_rewrites(graph: torch.fx.Graph, stage: str) -> bool:
-    changed = False
-    for fusion, rewrite in _GRAPH_REWRITES:
-        if mla_config.active().enabled(fusion):
-            changed = rewrite(graph, stage) > 0 or changed
-    return changed
+def apply_anchored_rewrites(graph: torch.fx.Graph, stage: str) -> bool:
+    """Every registered anchored rewrite over the graph, each decision recorded (explain())."""
+    fired = 0
+    for fusion, anchors, rewrite in _ANCHORED:
+        if not mla_config.active().enabled(fusion):
+            continue
+        for anchor in anchors(graph):
+            if not anchor.users:
+                continue  # left behind by an earlier rewrite of this walk
+            try:
+                if not rewrite(graph, anchor):
+                    continue
+            except contraction.DynamicSize:
+                record_decision(fusion, [anchor], stage, "dynamic sizes: the anchored match needs static shapes")
+            except (contraction.Decline, contraction.Unsupported) as why:
+                record_decision(fusion, [anchor], stage, str(why))
+            else:
+                record_decision(fusion, [anchor], stage, None)
+                fired += 1
+    if fired:
+        graph.eliminate_dead_code()  # the replaced chains, before the next round walks them again
+    return fired > 0
 
 
 def canonical_gemm_splits(graph: torch.fx.Graph) -> int:

@@ -85,20 +85,19 @@ def _cos_sin(x: Inputs):
 # --- the spellings ----------------------------------------------------------------------------------
 
 
-def einsum_native_gptj(x: Inputs):
+def _einsum_native(x: Inputs, is_neox: bool):
     q = F.linear(x.q_a, x.q_b_weight).view(-1, HEADS, NOPE + ROPE)
     q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
-    cos, sin = _cos_sin(x)
     q_lat = torch.einsum("thd,hdc->thc", q_nope, x.w_kc)
-    return _attention(torch.cat([q_lat, _native(q_pe, cos, sin, is_neox=False)], dim=-1), x)
+    return _attention(torch.cat([q_lat, _native(q_pe, *_cos_sin(x), is_neox=is_neox)], dim=-1), x)
+
+
+def einsum_native_gptj(x: Inputs):
+    return _einsum_native(x, is_neox=False)
 
 
 def einsum_native_neox(x: Inputs):
-    q = F.linear(x.q_a, x.q_b_weight).view(-1, HEADS, NOPE + ROPE)
-    q_nope, q_pe = q.split([NOPE, ROPE], dim=-1)
-    cos, sin = _cos_sin(x)
-    q_lat = torch.einsum("thd,hdc->thc", q_nope, x.w_kc)
-    return _attention(torch.cat([q_lat, _native(q_pe, cos, sin, is_neox=True)], dim=-1), x)
+    return _einsum_native(x, is_neox=True)
 
 
 def bmm_heads_first(x: Inputs):
