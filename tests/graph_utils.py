@@ -121,11 +121,11 @@ def static_cache_greedy_decode(arch, freezing, steps=16):
     return mla_inductor.fusion_counts(), expected, actual
 
 
-def rewrite_and_run(fn, *args):
+def rewrite_and_run(fn, *args, dynamic=None):
     """Trace fn as Inductor does (AOTAutograd with Inductor's decompositions), run MLAPass's two stages on
     the forward graph and run that graph eagerly (our ops' reference implementations): the output and
     the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays cheap;
-    the templates are tested on their own and by the compiled models."""
+    the templates are tested on their own and by the compiled models. `dynamic` as torch.compile's."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
     from torch._inductor.fx_passes.post_grad import view_to_reshape
@@ -133,6 +133,7 @@ def rewrite_and_run(fn, *args):
     from mla_inductor import record
 
     def forward(gm, example_inputs):
+        rewrite_and_run.graph = gm.graph  # the last graph rewritten, for tests of what it held
         MLAPass("joint")(gm.graph)
         view_to_reshape(gm)
         MLAPass("post_grad")(gm.graph)
@@ -142,8 +143,13 @@ def rewrite_and_run(fn, *args):
     start = record.event_count()
     torch._dynamo.reset()
     with torch.no_grad():
-        out = torch.compile(fn, backend=aot_autograd(fw_compiler=forward, decompositions=select_decomp_table()))(*args)
+        backend = aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())
+        out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
     return out, record.events_since(start)
+
+
+def has_dynamic_sizes(graph: torch.fx.Graph) -> bool:
+    return any(isinstance(n.meta.get("val"), torch.SymInt) for n in graph.nodes if n.op == "placeholder")
 
 
 def fired(events, fusion):

@@ -15,26 +15,44 @@ einsum over origin dims: `Contraction`.
 The fusions then decide by roles (which origin dim is contracted, shared, broadcast), never by the
 text of the chain, and build their op's arguments from the origin tensors (views, no copies) or
 from the operands (whatever the original graph already computed).
+
+Sizes may be dynamic (SymInts: a decode loop's growing cache length, a served batch). Every decision
+about them is one that holds for all values of the symbols (`same`, `quotient`: statically known,
+so the replay never adds a guard), and a size an emitted op needs is read from the graph node that
+holds it (`Emitter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import operator
-from typing import Callable, Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 from torch.fx import Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
 
-@dataclasses.dataclass(frozen=True)
+Size = Union[int, torch.SymInt]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # keyed by identity: a dynamic size is not hashable
 class Factor:
     label: Optional[Hashable]  # the origin dim (or axis) this factor indexes; None: broadcast
-    size: int
-    stride: int  # in units of the origin dim's index
+    size: Size
+    stride: Size  # in units of the origin dim's index
+
+    def matches(self, other: "Factor") -> bool:
+        return self.label == other.label and same(self.size, other.size) and same(self.stride, other.stride)
+
+
+def same_dims(a: list[list[Factor]], b: list[list[Factor]]) -> bool:
+    """Two layouts' dims, factor by factor."""
+    return len(a) == len(b) and all(len(x) == len(y) and all(f.matches(g) for f, g in zip(x, y)) for x, y in zip(a, b))
 
 
 class Unsupported(Exception):
@@ -45,18 +63,26 @@ class Decline(Exception):
     """A candidate that fails a condition of its fusion: the message says which (explain())."""
 
 
-class DynamicSize(Unsupported):
-    """A symbolic size: the replay works on concrete sizes only."""
+def same(a, b) -> bool:
+    """a == b for every value of the symbols in them (no guard is added)."""
+    return statically_known_true(a == b)
 
 
-def static(size) -> int:
-    if isinstance(size, torch.SymInt):
-        raise DynamicSize("a dynamic size")
-    return int(size)
+def quotient(a: Size, b: Size) -> Optional[Size]:
+    """a / b where b divides a for every value of the symbols, else None."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b if a % b == 0 else None
+    q = a // b
+    return q if same(q * b, a) else None
 
 
-def shape(node: Node) -> list[int]:
-    return [static(s) for s in node.meta["val"].shape]
+def shape(node: Node) -> list[Size]:
+    return list(node.meta["val"].shape)
+
+
+def value(arg):
+    """An op's int argument: a SymInt where the graph computes it (a node), else the int itself."""
+    return arg.meta["val"] if isinstance(arg, Node) else arg
 
 
 @dataclasses.dataclass
@@ -69,9 +95,9 @@ class Layout:
     @classmethod
     def identity(cls, shape: Sequence[int], labels: Optional[Sequence[Hashable]] = None) -> "Layout":
         labels = labels if labels is not None else range(len(shape))
-        return cls([[Factor(lab, n, 1)] if n != 1 else [] for lab, n in zip(labels, shape)], {})
+        return cls([[Factor(lab, n, 1)] if not same(n, 1) else [] for lab, n in zip(labels, shape)], {})
 
-    def sizes(self) -> list[int]:
+    def sizes(self) -> list[Size]:
         return [math.prod(f.size for f in dim) for dim in self.dims]
 
     def factors(self) -> list[Factor]:
@@ -82,28 +108,26 @@ class Layout:
 
     # --- the layout ops ---------------------------------------------------------------------------
 
-    def reshape(self, shape: Sequence[int]) -> "Layout":
-        pending = [f for f in self.factors() if f.size != 1]
+    def reshape(self, shape: Sequence[Size]) -> "Layout":
+        pending = [f for f in self.factors() if not same(f.size, 1)]
         dims = []
         for size in shape:
             dim, product = [], 1
-            while product < size:
-                if not pending:
+            while not same(product, size):
+                missing = quotient(size, product)
+                if not pending or missing is None:
                     raise Unsupported(f"reshape to {list(shape)}")
                 f = pending.pop(0)
-                if product * f.size <= size:
+                if quotient(missing, f.size) is not None:  # f fits in this dim whole
                     dim.append(f)
                     product *= f.size
                     continue
-                outer = size // product  # split f into outer x inner: the outer part completes this dim
-                if size % product or f.size % outer:
+                inner = quotient(f.size, missing)  # split f into outer x inner: the outer part completes this dim
+                if inner is None:
                     raise Unsupported(f"reshape to {list(shape)} splits a factor of {f.size}")
-                inner = f.size // outer
-                dim.append(Factor(f.label, outer, f.stride * inner))
+                dim.append(Factor(f.label, missing, f.stride * inner))
                 pending.insert(0, Factor(f.label, inner, f.stride))
-                product *= outer
-            if product != size:
-                raise Unsupported(f"reshape to {list(shape)}")
+                product = size
             dims.append(dim)
         if pending:
             raise Unsupported(f"reshape to {list(shape)}")
@@ -119,39 +143,34 @@ class Layout:
 
     def squeeze(self, dims: Sequence[int]) -> "Layout":
         rank = len(self.dims)
-        drop = {d % rank for d in dims if self.sizes()[d % rank] == 1}
+        drop = {d % rank for d in dims if same(self.sizes()[d % rank], 1)}
         return Layout([d for i, d in enumerate(self.dims) if i not in drop], dict(self.offsets))
 
-    def expand(self, shape: Sequence[int]) -> "Layout":
+    def expand(self, shape: Sequence[Size]) -> "Layout":
         lead = len(shape) - len(self.dims)
-        dims = [[Factor(None, n, 0)] if n != 1 else [] for n in shape[:lead]]
+        dims = [[Factor(None, n, 0)] if not same(n, 1) else [] for n in shape[:lead]]
         for dim, size, n in zip(self.dims, self.sizes(), shape[lead:]):
-            dims.append(dim if size == n else [Factor(None, n, 0)])
+            dims.append(dim if same(size, n) else [Factor(None, n, 0)])
         return Layout(dims, dict(self.offsets))
 
-    def slice(self, dim: int, start: int, end: int, step: int = 1) -> "Layout":
+    def slice(self, dim: int, start: Size, length: Size, step: int = 1) -> "Layout":
+        """`length` elements of `dim` from `start` (not negative) by `step`."""
         dim %= len(self.dims)
-        size = self.sizes()[dim]
-        start = max(0, start + size if start < 0 else start)
-        end = min(size, end + size if end < 0 else end)
-        if (start, end, step) == (0, size, 1):
+        if same(start, 0) and step == 1 and same(length, self.sizes()[dim]):
             return self.copy()
-        factors = [f for f in self.dims[dim] if f.size != 1]
+        factors = [f for f in self.dims[dim] if not same(f.size, 1)]
         if len(factors) != 1:
             raise Unsupported(f"a slice of a dim made of {len(factors)} factors")
         (f,) = factors
         out = self.copy()
-        out.dims[dim] = [Factor(f.label, max(0, (end - start + step - 1) // step), f.stride * step)]
+        out.dims[dim] = [Factor(f.label, length, f.stride * step)]
         if f.label is not None:
             out.offsets[f.label] = out.offsets.get(f.label, 0) + start * f.stride
         return out
 
-    def select(self, dim: int, index: int) -> "Layout":
-        dim %= len(self.dims)
-        size = self.sizes()[dim]
-        index = index + size if index < 0 else index
-        out = self.slice(dim, index, index + 1)
-        del out.dims[dim]
+    def select(self, dim: int, index: Size) -> "Layout":
+        out = self.slice(dim, index, 1)
+        del out.dims[dim % len(self.dims)]
         return out
 
 
@@ -167,30 +186,35 @@ LAYOUT_OPS = _VIEWS | _SAME | {
 }
 
 
-def _getitem_of_split(node: Node) -> bool:
+def is_split_item(node: Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem
             and isinstance(node.args[0], Node) and node.args[0].target in _SPLITS)
 
 
 def is_layout_op(node: Node) -> bool:
-    return node.op == "call_function" and (node.target in LAYOUT_OPS or _getitem_of_split(node))
+    return node.op == "call_function" and (node.target in LAYOUT_OPS or is_split_item(node))
 
 
 def layout_input(node: Node) -> Node:
-    return node.args[0].args[0] if _getitem_of_split(node) else node.args[0]
+    return node.args[0].args[0] if is_split_item(node) else node.args[0]
+
+
+def _start(layout: Layout, dim: int, start) -> Size:
+    """A slice's or select's start as an index from the front (Python's negative indices, clamped)."""
+    start = 0 if start is None else value(start)
+    if isinstance(start, int) and start < 0:
+        return max(0, start + layout.sizes()[dim % len(layout.dims)])
+    return start
 
 
 def apply(layout: Layout, node: Node) -> Layout:
     """The layout of `node`'s output, given the layout of its tensor input."""
     t, args = node.target, node.args
-    if _getitem_of_split(node):
+    if is_split_item(node):
         split, index = node.args
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        sizes = split.args[1]
-        if isinstance(sizes, int):  # split.Tensor(x, size): equal chunks
-            sizes = [sizes] * math.ceil(layout.sizes()[dim] / sizes)
-        start = sum(static(s) for s in sizes[:index])
-        return layout.slice(dim, start, start + static(sizes[index]))
+        start = sum(s.shape[dim] for s in split.meta["val"][:index])
+        return layout.slice(dim, start, shape(node)[dim])
     if t in _VIEWS:
         return layout.reshape(shape(node))
     if t in _SAME:
@@ -213,11 +237,10 @@ def apply(layout: Layout, node: Node) -> Layout:
     if t is aten.expand.default:
         return layout.expand(shape(node))
     if t is aten.slice.Tensor:
-        dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
-        size = layout.sizes()[dim % len(layout.dims)]
-        return layout.slice(dim, static(start or 0), size if end is None else min(static(end), size), step)
+        dim, start, _, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+        return layout.slice(dim, _start(layout, dim, start), shape(node)[dim % len(layout.dims)], step)
     if t is aten.select.int:
-        return layout.select(args[1], static(args[2]))
+        return layout.select(args[1], _start(layout, args[1], args[2]))
     raise Unsupported(str(t))
 
 
@@ -287,9 +310,9 @@ class Contraction:
             fa, fb = _align(fa, fb)
             for i, (x, y) in enumerate(zip(fa, fb)):
                 axes[(kind, i)] = (x, y, x.size)
-        for i, f in enumerate(x for x in a_m if x.size != 1):
+        for i, f in enumerate(x for x in a_m if not same(x.size, 1)):
             axes[("m", i)] = (f, None, f.size)
-        for i, f in enumerate(x for x in b_n if x.size != 1):
+        for i, f in enumerate(x for x in b_n if not same(x.size, 1)):
             axes[("n", i)] = (None, f, f.size)
         return cls(node, a, b, axes)
 
@@ -307,18 +330,16 @@ class Contraction:
 
 def _align(fa: list[Factor], fb: list[Factor]) -> tuple[list[Factor], list[Factor]]:
     """Refine two factor lists of one dim (equal total size) to factors of equal sizes, pairwise."""
-    fa, fb = [f for f in fa if f.size != 1], [f for f in fb if f.size != 1]
+    fa, fb = [f for f in fa if not same(f.size, 1)], [f for f in fb if not same(f.size, 1)]
     out_a, out_b = [], []
     while fa and fb:
         x, y = fa.pop(0), fb.pop(0)
-        if x.size == y.size:
+        if same(x.size, y.size):
             out_a.append(x), out_b.append(y)
-        elif x.size > y.size and x.size % y.size == 0:
-            r = x.size // y.size
+        elif (r := quotient(x.size, y.size)) is not None:
             out_a.append(Factor(x.label, y.size, x.stride * r)), out_b.append(y)
             fa.insert(0, Factor(x.label, r, x.stride))
-        elif y.size > x.size and y.size % x.size == 0:
-            r = y.size // x.size
+        elif (r := quotient(y.size, x.size)) is not None:
             out_a.append(x), out_b.append(Factor(y.label, x.size, y.stride * r))
             fb.insert(0, Factor(y.label, r, y.stride))
         else:
@@ -351,7 +372,7 @@ def axis_roles(layout: Layout, role_of_axis: dict) -> list[list[tuple[str, int, 
 def role_through(factor: Factor, roles: list) -> str:
     """The role of a factor of an operand read from a tensor whose dims carry `roles` (`dim_roles`)."""
     for role, size, stride in roles[factor.label]:
-        if (size, stride) == (factor.size, factor.stride):
+        if same(size, factor.size) and same(stride, factor.stride):
             return role
     raise Decline("a contraction operand merges two roles of the tensor it reads")
 
@@ -359,14 +380,17 @@ def role_through(factor: Factor, roles: list) -> str:
 class Emitter:
     """Appends aten calls before `before`, each with its example value (the graph's fake mode), so that
     later passes (and the next round of patterns) see them as they see traced nodes, and the module
-    path of `like`."""
+    path of `like`. A dynamic size among the arguments is read from the graph (`size_node`)."""
 
     def __init__(self, graph: torch.fx.Graph, before: Node, like: Optional[Node] = None):
         self.graph, self.before = graph, before
         self.fake_mode = before.meta["val"].fake_mode
         self.module_stack = (like or before).meta.get("nn_module_stack", {})  # where explain() says it fired
+        self.size_nodes = {}
 
     def __call__(self, target, *args, **kwargs) -> Node:
+        args, kwargs = torch.fx.node.map_aggregate(
+            (args, kwargs), lambda a: self.size_node(a) if isinstance(a, torch.SymInt) else a)
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
         fake = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
@@ -378,6 +402,30 @@ class Emitter:
     def cast(self, node: Node, dtype: torch.dtype) -> Node:
         """node in `dtype` (itself when it already is)."""
         return node if node.meta["val"].dtype == dtype else self(prims.convert_element_type.default, node, dtype)
+
+    def size_node(self, size: torch.SymInt):
+        """A node ahead of `before` whose value is `size`: a symbolic int the graph computes, else a
+        `sym_size` of a tensor that has it as a dim."""
+        expr = size.node.expr
+        if expr.is_number:
+            return int(expr)
+        if expr not in self.size_nodes:
+            self.size_nodes[expr] = self._find_size(expr)
+        return self.size_nodes[expr]
+
+    def _find_size(self, expr) -> Node:
+        earlier = list(itertools.takewhile(lambda n: n is not self.before, self.graph.nodes))
+        for node in earlier:
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and val.node.expr == expr:
+                return node
+        for node in earlier:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                for dim, size in enumerate(val.shape):
+                    if isinstance(size, torch.SymInt) and size.node.expr == expr:
+                        return self(aten.sym_size.int, node, dim)
+        raise Decline(f"no node of the graph holds the dynamic size {expr}")
 
 
 def operand_in_role_order(emit: Emitter, c: Contraction, of_a: bool, roles: dict, order: Sequence[str],

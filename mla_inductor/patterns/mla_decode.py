@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import contraction
-from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, role_through
+from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, role_through, same
 from .registry import node_value, register_anchored_rewrite, register_fusion, upcast
 
 FUSION = "mla_decode"
@@ -341,13 +341,17 @@ class _Logits:
     scale: float  # on the sum of the terms
     bias: Optional[torch.fx.Node]  # an additive mask
     bias_scale: float  # the scale applied to the bias after it was added (a mask added before scaling)
+    scale_tensors: list  # (0-d tensor node, divides): a scale the graph holds as a tensor, on the whole sum
+    bias_scaled_by_tensors: bool  # whether the bias was added before those
+    softcap: float  # cap * tanh(scaled scores / cap) before the mask; 0: none
     admit: Optional[object]  # a bool mask node, true where a row counts, or ("not", node)
 
 
 def _read_logits(node: torch.fx.Node) -> _Logits:
     """The logits as scale x (sum of contraction results) + bias, masked: what the op computes."""
     aten, prims = torch.ops.aten, torch.ops.prims
-    out = _Logits([], 1.0, None, 1.0, None)
+    out = _Logits(terms=[], scale=1.0, bias=None, bias_scale=1.0, scale_tensors=[], bias_scaled_by_tensors=False,
+                  softcap=0.0, admit=None)
 
     def is_neg_inf(arg) -> bool:
         if _node_is(arg, aten.full.default):
@@ -361,13 +365,29 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
             raise Decline("two boolean masks")
         out.admit = mask
 
-    def visit(n, above: float) -> float:
-        """The scale within n's subtree; `above` is the scale applied to n on its way to the softmax."""
+    def visit(n, above: float, split: bool = False, capped: bool = False) -> float:
+        """The scale within n's subtree; `above` is the scale applied to n on its way to the softmax;
+        `split` once n is one of two added score terms, `capped` once it is under a softcap."""
         if _node_is(n, prims.convert_element_type.default, aten.clone.default, aten.alias.default):
-            return visit(n.args[0], above)  # same elements, same layout
+            return visit(n.args[0], above, split, capped)  # same elements, same layout
+        if (cap := _softcap(n)) is not None:  # cap * tanh(scores / cap), on the whole scaled sum
+            if out.softcap or split or above != 1.0 or out.scale_tensors:
+                raise Decline("a softcap the op cannot express (twice, on one term, or scaled after)")
+            out.softcap = cap
+            return visit(n.args[0].args[0].args[0], 1.0, split, capped=True)
         if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None:
             s = _scalar(n.args[1]) if n.target is aten.mul.Tensor else 1.0 / _scalar(n.args[1])
-            return s * visit(n.args[0], above * s)
+            return s * visit(n.args[0], above * s, split, capped)
+        if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _is_scalar_tensor(n.args[1]):
+            # torch.compile(dynamic=True) passes a module's float (the softmax scale) as a 0-d tensor
+            if split or capped:
+                raise Decline("a tensor scale on one of the score terms or under a softcap")
+            out.scale_tensors.append((n.args[1], n.target is aten.div.Tensor))
+            return visit(n.args[0], above, split)
+        masking = _node_is(n, aten.where.self, aten.masked_fill.Scalar, aten.add.Tensor) and not (
+            _node_is(n, aten.add.Tensor) and all(_is_score_sum(a) for a in n.args[:2]))
+        if masking and capped:  # tanh(-inf) is -1: a mask under the cap does not exclude the row
+            raise Decline("a mask under the softcap")
         if _node_is(n, aten.where.self) and (is_neg_inf(n.args[1]) or is_neg_inf(n.args[2])):
             keep_first = is_neg_inf(n.args[2])
             admit(n.args[0] if keep_first else ("not", n.args[0]))
@@ -380,11 +400,11 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
             if len(sides) == 1:  # scores + mask
                 if out.bias is not None:
                     raise Decline("two additive masks")
-                out.bias, out.bias_scale = sides[0], above
-                return visit(n.args[0] if sides[0] is n.args[1] else n.args[1], above)
+                out.bias, out.bias_scale, out.bias_scaled_by_tensors = sides[0], above, bool(out.scale_tensors)
+                return visit(n.args[0] if sides[0] is n.args[1] else n.args[1], above, split)
             if sides:
                 raise Decline(f"{n.name} adds two tensors neither of which is a contraction")
-            first, second = visit(n.args[0], above), visit(n.args[1], above)
+            first, second = visit(n.args[0], above, True, capped), visit(n.args[1], above, True, capped)
             if not math.isclose(first, second, rel_tol=1e-6):
                 raise Decline("the score contractions are scaled differently")
             return first
@@ -400,11 +420,34 @@ def _read_logits(node: torch.fx.Node) -> _Logits:
     return out
 
 
+def _softcap(n) -> Optional[float]:
+    """cap where n is `cap * tanh(x / cap)` (or `x * (1 / cap)`), Gemma-2's logit softcap."""
+    aten = torch.ops.aten
+    if not (_node_is(n, aten.mul.Tensor) and _scalar(n.args[1]) and _node_is(n.args[0], aten.tanh.default)):
+        return None
+    cap, inner = _scalar(n.args[1]), n.args[0].args[0]
+    if not (_node_is(inner, aten.mul.Tensor, aten.div.Tensor) and _scalar(inner.args[1])):
+        return None
+    inverse = _scalar(inner.args[1]) if inner.target is aten.div.Tensor else 1.0 / _scalar(inner.args[1])
+    return cap if cap > 0 and math.isclose(inverse, cap, rel_tol=1e-6) else None
+
+
+def _is_scalar_tensor(arg) -> bool:
+    return isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dim() == 0
+
+
+def _scale_by_tensors(emit: Emitter, x: torch.fx.Node, logits: _Logits) -> torch.fx.Node:
+    """x times the scales the graph holds as tensors."""
+    for scale, divides in logits.scale_tensors:
+        x = emit(torch.ops.aten.div.Tensor if divides else torch.ops.aten.mul.Tensor, x, scale)
+    return x
+
+
 def _is_score_sum(n) -> bool:
     """Whether n is (a scaled sum of) contraction results, through layout ops and casts."""
     aten, prims = torch.ops.aten, torch.ops.prims
-    while _node_is(n, prims.convert_element_type.default) or (
-            _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None):
+    while _node_is(n, prims.convert_element_type.default, aten.tanh.default) or (
+            _node_is(n, aten.mul.Tensor, aten.div.Tensor) and (_scalar(n.args[1]) is not None or _is_scalar_tensor(n.args[1]))):
         n = n.args[0]
     if _node_is(n, aten.add.Tensor):
         return all(isinstance(a, torch.fx.Node) and _is_score_sum(a) for a in n.args[:2])
@@ -420,9 +463,13 @@ class _CacheRead:
 
     cache: torch.fx.Node  # dense [batch, rows, columns]; or paged [blocks, block_size, columns]
     tables: Optional[torch.fx.Node]  # block table [batch, blocks] or per-token index [batch, rows]
-    rows: int
+    rows: contraction.Size
     start: int  # the first column read
     columns: int
+
+
+def _same_rows(a: _CacheRead, b: _CacheRead) -> bool:
+    return a.tables is b.tables and same(a.rows, b.rows)
 
 
 def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
@@ -436,6 +483,8 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
     if len(columns) != 1 or columns[0].stride != 1:
         raise Decline("the contracted columns are not one run of the cache's last dim")
     (col,) = columns
+    if not isinstance(col.size, int) or not isinstance(layout.offsets.get(col.label, 0), int):
+        raise Decline("the columns read from the cache are dynamic")
     rank = origin.meta["val"].dim()
     if col.label != rank - 1:
         raise Decline("the contraction does not run over the cache's last dim")
@@ -455,12 +504,13 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
             raise Decline(f"the cache read is {rank}-D, not [batch, rows, columns]")
         expected_rows = [(1, None)]
     rows = by_role.get("rows", [])
-    if [f.label for f in rows] != [lab for lab, _ in expected_rows] or any(f.stride != 1 for f in rows):
+    if [f.label for f in rows] != [lab for lab, _ in expected_rows] or any(not same(f.stride, 1) for f in rows):
         raise Decline("the rows reduced over are not the cache's rows in order")
     for f, (lab, size) in zip(rows, expected_rows):
-        if layout.offsets.get(lab, 0) != 0 or (size is not None and f.size != contraction.static(size)):
+        if not same(layout.offsets.get(lab, 0), 0) or (size is not None and not same(f.size, size)):
             raise Decline("the rows read do not start at the first row of each request")
-    if len(request) != 1 or request[0].label != 0 or request[0].stride != 1 or layout.offsets.get(0, 0) != 0:
+    if (len(request) != 1 or request[0].label != 0 or not same(request[0].stride, 1)
+            or not same(layout.offsets.get(0, 0), 0)):
         raise Decline("the cache's requests are not read in order from the first")
     return _CacheRead(cache, tables, math.prod(f.size for f in rows), start, col.size)
 
@@ -577,7 +627,7 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     roles = terms[0].scores_roles
     if any(t.scores_roles != roles for t in terms[1:]):
         raise Decline("the score contractions are added with different layouts")
-    if len({(t.cache.rows, t.cache.tables) for t in terms}) != 1:
+    if any(not _same_rows(t.cache, terms[0].cache) for t in terms[1:]):
         raise Decline("the score contractions read different rows")
     found = _next_contraction(div)
     if found is None:
@@ -599,7 +649,7 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     # one score contraction reads the latent and rope columns, two read them apart
     if vread.columns > latent_term.cache.columns or (len(terms) == 2 and vread.columns != latent_term.cache.columns):
         raise Decline("P.V does not read the latent columns the scores read")
-    if (vread.rows, vread.tables) != (latent_term.cache.rows, latent_term.cache.tables):
+    if not _same_rows(vread, latent_term.cache):
         raise Decline("P.V reads other rows than the scores")
     end, layout, _ = value.result()
     latent_roles = axis_roles(layout, value_roles)
@@ -632,7 +682,7 @@ def _cache_argument(emit: Emitter, read: _CacheRead, batch: int) -> torch.fx.Nod
     cache = read.cache
     if read.tables is not None:
         return cache if cache.meta["val"].dim() == 3 else emit(aten.unsqueeze.default, cache, 1)
-    if contraction.shape(cache)[0] == batch:
+    if same(contraction.shape(cache)[0], batch):
         return cache
     return emit(aten.slice.Tensor, cache, 0, 0, batch)
 
@@ -662,8 +712,9 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
     else:
         if lat_read.columns != columns or (rope.cache.start, rope.cache.columns) != (0, contraction.shape(rope.cache.cache)[-1]):
             raise Decline("the latent and rope caches are not read whole")
-        if (rope.cache.tables is None) != (lat_read.tables is None) or (
-                contraction.shape(rope.cache.cache)[:-1] != contraction.shape(lat_read.cache)[:-1]):
+        rope_rows, lat_rows = contraction.shape(rope.cache.cache)[:-1], contraction.shape(lat_read.cache)[:-1]
+        if (rope.cache.tables is None) != (lat_read.tables is None) or len(rope_rows) != len(lat_rows) or not all(
+                same(a, b) for a, b in zip(rope_rows, lat_rows)):
             raise Decline("the latent and rope caches are not laid out alike")
         kv_lora_rank, rope_cache = lat_read.columns, _cache_argument(emit, rope.cache, batch)
 
@@ -696,9 +747,13 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         out_order, out_sizes = ("request", "head", "value"), dict(sizes, value=v_sizes["value"])
     else:
         out_order, out_sizes = ("request", "head", "latent"), dict(sizes, latent=kv_lora_rank)
+    scale, scale_tensor = cand.logits.scale, None
+    if cand.logits.scale_tensors:  # the op's scale_tensor overrides its scale: it carries both
+        one = emit(aten.full.default, [], 1.0, dtype=torch.float64, device=torch.device("cpu"), pin_memory=False)
+        scale_tensor, scale = emit(aten.mul.Tensor, _scale_by_tensors(emit, one, cand.logits), scale), 1.0
     try:
         out = emit(torch.ops.mla.latent_decode_attention.default, q, kv, tables, lens, kv_lora_rank,
-                   cand.logits.scale, 0.0, None, None, w_vc, None, rope_cache, mask)
+                   scale, cand.logits.softcap, None, None, w_vc, scale_tensor, rope_cache, mask)
     except ValueError as error:
         raise Decline(str(error).removeprefix("mla::latent_decode_attention: ")) from error
     cand.result.replace_all_uses_with(from_role_order(emit, out, out_order, out_sizes, cand.result, cand.result_roles))
@@ -715,6 +770,8 @@ def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Op
     bias = _as_rows_mask(emit, cand, logits.bias, batch, rows) if logits.bias is not None else None
     if bias is not None and logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
         bias = emit(aten.mul.Tensor, bias, logits.bias_scale)
+    if bias is not None and logits.bias_scaled_by_tensors:
+        bias = _scale_by_tensors(emit, bias, logits)
     admit = None
     if logits.admit is not None:
         negate = isinstance(logits.admit, tuple)
@@ -734,9 +791,9 @@ def _as_rows_mask(emit: Emitter, cand: _Candidate, mask: torch.fx.Node, batch: i
     roles = cand.terms[0].scores_roles[len(cand.terms[0].scores_roles) - len(shape):]
     kept = []
     for size, entries in zip(shape, roles):
-        if size == 1:
+        if same(size, 1):
             continue
-        names = list(dict.fromkeys(r for r, s, _ in entries if s != 1))
+        names = list(dict.fromkeys(r for r, s, _ in entries if not same(s, 1)))
         if names not in (["request"], ["rows"]):
             raise Decline("the mask differs between heads or query rows")
         kept.append(names[0])

@@ -25,6 +25,7 @@ from torch._inductor.pattern_matcher import Match
 from ..lowerings.segment_gemm import template_wins
 from ..ops.q_b_absorb import check_args
 from . import contraction
+from .contraction import same
 from .registry import node_value, register_anchored_rewrite, register_fusion, size_hint
 from .rope import gptj_upcast
 
@@ -151,25 +152,26 @@ def _linear_of(mm: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node]:
     weight = contraction.trace_back(mm.args[1])
     n, k = contraction.shape(weight.origin) if weight.origin.meta["val"].dim() == 2 else (None, None)
     expected = [[contraction.Factor(1, k, 1)], [contraction.Factor(0, n, 1)]]
-    if weight.layout.dims != expected or weight.layout.offsets or weight.casts:
+    if not contraction.same_dims(weight.layout.dims, expected) or weight.layout.offsets or weight.casts:
         raise contraction.Decline("q_b_proj's weight is not read as a plain transposed Linear weight")
     return mm.args[0], weight.origin
 
 
 def _column_role(f: contraction.Factor, heads: int, row: int, width: int) -> str:
     """token (the GEMM's rows), head (columns by `row`) or feature (`width` columns within a head)."""
-    if f.label == 0 and f.stride == 1:
+    if f.label == 0 and same(f.stride, 1):
         return "token"
-    if f.label == 1 and (f.size, f.stride) == (heads, row):
+    if f.label == 1 and same(f.size, heads) and same(f.stride, row):
         return "head"
-    if f.label == 1 and (f.size, f.stride) == (width, 1):
+    if f.label == 1 and same(f.size, width) and same(f.stride, 1):
         return "feature"
     raise contraction.Decline("a query slice is not whole heads' columns of q_b_proj")
 
 
 def _slice_roles(operand: contraction.Operand, heads: int, row: int, start: int, width: int) -> list:
     """Per dim of a q_b_proj slice: (role, size, stride in the dim) of its factors (contraction.dim_roles)."""
-    if operand.layout.offsets.get(0, 0) != 0 or operand.layout.offsets.get(1, 0) != start or operand.casts:
+    offsets = operand.layout.offsets
+    if not same(offsets.get(0, 0), 0) or not same(offsets.get(1, 0), start) or operand.casts:
         raise contraction.Decline("a query slice does not start where the heads' columns do")
     return contraction.dim_roles(operand.layout, lambda f: _column_role(f, heads, row, width))
 
@@ -187,8 +189,9 @@ def _query_cat(query: torch.fx.Node) -> Optional[torch.fx.Node]:
     rank = cat.meta["val"].dim()
     if cat.args[1:] and cat.args[1] % rank != rank - 1:
         return None
-    plain = [[contraction.Factor(d, n, 1)] for d, n in enumerate(contraction.shape(cat)) if n != 1]
-    return cat if [d for d in read.layout.dims if d] == plain and not read.layout.offsets else None
+    plain = [[contraction.Factor(d, n, 1)] for d, n in enumerate(contraction.shape(cat)) if not same(n, 1)]
+    whole = contraction.same_dims([d for d in read.layout.dims if d], plain) and not read.layout.offsets
+    return cat if whole else None
 
 
 def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node) -> None:
@@ -210,7 +213,7 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
         raise Decline("q_nope and q_pe are not parts of one q_b_proj")
     query = op.args[0]
     tokens, heads, kv_lora_rank = contraction.shape(query)
-    if contraction.shape(x.origin)[0] != tokens:  # the op projects every row of q_a
+    if not same(contraction.shape(x.origin)[0], tokens):  # the op projects every row of q_a
         raise Decline("the query reads some of q_b_proj's rows, not all")
     row = contraction.shape(x.origin)[1] // heads
     cos, sin, style = q_pe.origin.args[1:4]
@@ -220,7 +223,7 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
     sizes = {"token": tokens, "head": heads, "nope": nope, "latent": kv_lora_rank, "feature": rope}
     _slice_roles(x, heads, row, 0, nope)
     pe_roles = _slice_roles(x_pe, heads, row, nope, rope)
-    if _roles_in_order(q_pe, pe_roles) != [r for r in ("token", "head", "feature") if sizes[r] > 1]:
+    if _roles_in_order(q_pe, pe_roles) != [r for r in ("token", "head", "feature") if not same(sizes[r], 1)]:
         raise Decline("the query's rope part is not [tokens, heads, rope] of q_b_proj")
     # the absorption's axes: token and head from q_nope, its columns contracted, W_kc's latent free
     axis_role = {}
@@ -234,22 +237,22 @@ def _absorbed_query(graph: torch.fx.Graph, op: torch.fx.Node, cat: torch.fx.Node
         if (axis[0] == "k") != (axis_role[axis] == "nope"):
             raise Decline("the absorption does not contract q_nope's columns alone")
     lat_roles = contraction.axis_roles(absorb.output_layout(), axis_role)
-    if _roles_in_order(q_lat, lat_roles) != [r for r in ("token", "head", "latent") if sizes[r] > 1]:
+    if _roles_in_order(q_lat, lat_roles) != [r for r in ("token", "head", "latent") if not same(sizes[r], 1)]:
         raise Decline("the query's latent part is not [tokens, heads, kv_lora_rank]")
     emit = contraction.Emitter(graph, op, like=op)
     w_kc = contraction.operand_in_role_order(emit, absorb, not x_is_a, axis_role, ("head", "nope", "latent"), sizes)
     trig = []
     for t in (cos, sin):
         rows = math.prod(contraction.shape(t)[:-1])
-        if rows not in (1, tokens):
+        if not same(rows, 1) and not same(rows, tokens):
             raise Decline("cos / sin are not one row per token")
         t = emit(aten.reshape.default, t, [rows, rope // 2])
-        trig.append(t if rows == tokens else emit(aten.expand.default, t, [tokens, rope // 2]))
+        trig.append(emit(aten.expand.default, t, [tokens, rope // 2]) if same(rows, 1) else t)
     try:
         check_args(*(n.meta["val"] for n in (q_a, q_b_weight, w_kc, *trig)), style)
     except ValueError as error:
         raise Decline(str(error).removeprefix("mla::q_b_absorb: ")) from error
-    if not template_wins(tokens, q_a.meta["val"].dtype):
+    if not template_wins(size_hint(tokens), q_a.meta["val"].dtype):
         raise Decline(f"{tokens} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster")
     fused = emit(torch.ops.mla.q_b_absorb.default, q_a, q_b_weight, w_kc, *trig, style)
     op.replace_input_with(query, emit.cast(fused, query.meta["val"].dtype))

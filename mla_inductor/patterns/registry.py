@@ -163,8 +163,6 @@ def apply_anchored_rewrites(graph: torch.fx.Graph, stage: str) -> bool:
             try:
                 if not rewrite(graph, anchor):
                     continue
-            except contraction.DynamicSize:
-                record_decision(fusion, [anchor], stage, "dynamic sizes: the anchored match needs static shapes")
             except (contraction.Decline, contraction.Unsupported) as why:
                 record_decision(fusion, [anchor], stage, str(why))
             else:

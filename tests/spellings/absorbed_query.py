@@ -58,6 +58,16 @@ def make_inputs(dtype=torch.bfloat16, seed: int = 0) -> Inputs:
     )
 
 
+def mark_dynamic(x: Inputs) -> Inputs:
+    """x with the dims a server compiles as dynamic marked so: tokens, and the cache's requests and rows
+    (latent_decode.mark_dynamic); the weights and the cos / sin table stay static."""
+    c = x.cache
+    ld.mark_dynamic((c.q_lat, c.q_pe, c.paged, c.block_tables, c.seq_lens), c)
+    for t in (x.q_a, x.positions):
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return x
+
+
 def _attention(q, x: Inputs):
     c = x.cache
     return ld.serving_attention(q, c.paged, c.block_tables, c.seq_lens, x.w_vc)

@@ -203,6 +203,19 @@ def spelling_args(name: str, inputs: Inputs) -> tuple:
     return x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, x.w_vc
 
 
+def mark_dynamic(args: tuple, inputs: Inputs) -> tuple:
+    """`args` with the dims a server compiles as dynamic (once for every batch and length) marked so:
+    the batch of every per-request tensor, the rows of block tables, indices and dense caches, the
+    blocks (or tokens) of a pool. W_vc, a weight, stays static."""
+    for t in args:
+        if t is inputs.w_vc:
+            continue
+        per_row = t.dtype in (torch.int32, torch.int64) or tuple(t.shape[:2]) == (inputs.batch, ROWS)
+        for dim in range(min(t.dim(), 2) if per_row else 1):
+            torch._dynamo.maybe_mark_dynamic(t, dim)
+    return args
+
+
 SPELLINGS = {fn.__name__: fn for fn in (
     serving_einsum_paged, deepseek_two_caches, matmul_broadcast_heads, heads_in_batch_bmm, scale_on_query,
     divide_by_sqrt, per_token_index, latent_output_only, w_uv_latent_by_value, dense_one_cache,

@@ -3,11 +3,13 @@ them: the corpus in latent_decode.py, DeepSeek's reference model (deepseek_refer
 the fusion must not fire. The graphs are rewritten and run on the ops' references (graph_utils.
 rewrite_and_run); one compile of DeepSeek's model runs the C++ templates end to end."""
 
+import copy
+
 import pytest
 import torch
 
 import mla_inductor
-from graph_utils import declined, fired, rewrite_and_run
+from graph_utils import declined, fired, has_dynamic_sizes, rewrite_and_run
 from spellings import deepseek_reference as ds
 from spellings import latent_decode as ld
 
@@ -27,6 +29,17 @@ def test_spelling_fires_and_is_no_less_accurate_than_eager(name, dtype):
     eager_error = (ld.SPELLINGS[name](*args).double() - expected).abs().max().item()
     assert out.dtype == dtype and out.shape == expected.shape
     assert error <= max(TOLERANCE[dtype], 1.5 * eager_error), (error, eager_error)
+
+
+@pytest.mark.parametrize("name", list(ld.SPELLINGS))
+def test_spelling_fires_with_dynamic_batch_and_rows(name):
+    """As a server compiles it: one graph for every batch and cache length (symbolic sizes)."""
+    inputs = ld.make_inputs(torch.float32)
+    args = ld.mark_dynamic(ld.spelling_args(name, inputs), inputs)
+    out, events = rewrite_and_run(ld.SPELLINGS[name], *args)
+    assert has_dynamic_sizes(rewrite_and_run.graph)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    torch.testing.assert_close(out, ld.SPELLINGS[name](*args), atol=1e-5, rtol=1e-5)
 
 
 def test_reference_is_independent_of_the_spellings():
@@ -53,6 +66,39 @@ def test_a_bias_added_before_the_scale_is_scaled_with_the_scores():
     out, events = rewrite_and_run(_bias_before_scale, *args)
     assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
     torch.testing.assert_close(out, _bias_before_scale(*args), atol=1e-5, rtol=1e-5)
+
+
+def _softcapped(q_lat, q_pe, paged, block_tables, seq_lens, w_vc, mask_under_cap=False):
+    """Gemma-2's logit softcap, cap * tanh(scores / cap), after the scale; the length mask after it."""
+    cap = 0.5  # small enough that the cap changes the probabilities
+    q, kv = torch.cat([q_lat, q_pe], -1), paged[block_tables].flatten(1, 2)
+    scores = torch.einsum("bhc,btc->bht", q, kv) * ld.SCALE
+    masked = ~ld._valid(seq_lens)[:, None, :]
+    if mask_under_cap:
+        scores = scores.masked_fill(masked, float("-inf"))
+    scores = torch.tanh(scores / cap) * cap
+    if not mask_under_cap:
+        scores = scores.masked_fill(masked, float("-inf"))
+    probs = scores.softmax(-1)
+    return torch.einsum("bhc,hdc->bhd", torch.einsum("bht,btc->bhc", probs, kv[..., : ld.LATENT]), w_vc)
+
+
+def test_a_softcap_on_the_scores_goes_to_the_op():
+    x = ld.make_inputs(torch.float32)
+    args = (x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, x.w_vc)
+    out, events = rewrite_and_run(_softcapped, *args)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    torch.testing.assert_close(out, _softcapped(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_declines_a_mask_under_the_softcap():
+    """tanh(-inf) is -1: such a mask does not exclude the row, and the op's mask would."""
+    x = ld.make_inputs(torch.float32)
+    args = (x.q_lat, x.q_pe, x.paged, x.block_tables, x.seq_lens, x.w_vc, True)
+    out, events = rewrite_and_run(_softcapped, *args)
+    assert fired(events, "mla_decode") == 0
+    assert any("softcap" in r for r in declined(events, "mla_decode")), declined(events, "mla_decode")
+    torch.testing.assert_close(out, _softcapped(*args), atol=1e-5, rtol=1e-5)
 
 
 def _projection_shared_by_heads(q_lat, q_pe, paged, block_tables, seq_lens, w_shared):
@@ -158,14 +204,19 @@ def _restoring(model):
     return restore
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("q_lora_rank", [48, 0], ids=["q_lora", "v2_lite"])
-def test_deepseek_reference_decode_fuses_every_layer(q_lora_rank):
+def test_deepseek_reference_decode_fuses_every_layer(q_lora_rank, dynamic):
+    """Static, and with torch.compile(dynamic=True): batch, start_pos and the softmax scale (a float
+    attribute, passed as a 0-d tensor) are then graph inputs."""
     args = ds.Args(q_lora_rank=q_lora_rank)
     model, step = _decode_step(args, torch.float32)
     restore = _restoring(model)
     expected = model(step, 6)
     restore()
-    out, events = rewrite_and_run(lambda t: ds.Transformer.forward.__wrapped__(model, t, 6), step)
+    out, events = rewrite_and_run(lambda t, pos: ds.Transformer.forward.__wrapped__(model, t, pos), step, 6,
+                                  dynamic=dynamic)
+    assert has_dynamic_sizes(rewrite_and_run.graph) == dynamic
     for fusion in ("qkv_a_proj", "mla_decode"):
         assert fired(events, fusion) == args.n_layers, (fusion, declined(events, fusion))
     assert fired(events, "q_b_absorb") == (args.n_layers if q_lora_rank else 0), declined(events, "q_b_absorb")
@@ -184,15 +235,20 @@ def test_deepseek_reference_prefill_keeps_its_attention():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_deepseek_reference_compiles_as_written_and_fuses_in_cpp():
-    """The decorated forward through the backend, bf16: every layer's attention runs our templates."""
+def test_deepseek_reference_generate_loop_fuses_in_cpp_at_every_position():
+    """The decorated forward through the backend, bf16, as DeepSeek's generate loop calls it: a new
+    start_pos each step, so from the second step Dynamo compiles one graph for every position (the
+    cache length symbolic). Both graphs run every layer's attention on our templates."""
     args = ds.Args()
     model, step = _decode_step(args, torch.bfloat16)
-    restore = _restoring(model)
-    expected = model(step, 6)
-    restore()
+    twin = copy.deepcopy(model)
     torch._dynamo.reset()
-    out = torch.compile(model, backend="mla_inductor")(step, 6)
-    counts = mla_inductor.fusion_counts()
-    assert counts["mla_decode"] == counts["q_b_absorb"] == counts["qkv_a_proj"] == args.n_layers, counts
-    torch.testing.assert_close(out.float(), expected.float(), atol=0.1, rtol=0.05)
+    compiled = torch.compile(twin, backend="mla_inductor")
+    for pos, compiles in ((6, True), (7, True), (8, False)):
+        mla_inductor.reset_counts()
+        out, expected = compiled(step, pos), model(step, pos)
+        counts = mla_inductor.fusion_counts()
+        fused = args.n_layers if compiles else 0  # the third step reuses the second's graph
+        assert counts["mla_decode"] == counts["q_b_absorb"] == counts["qkv_a_proj"] == fused, (pos, counts)
+        torch.testing.assert_close(out.float(), expected.float(), atol=0.1, rtol=0.05)
+        step = expected.argmax(-1, keepdim=True)
