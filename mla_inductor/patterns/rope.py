@@ -23,14 +23,17 @@ into that kernel's epilogue (k_pe of `mla::qkv_a_proj`).
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional
 
 import torch
 from torch._inductor.pattern_matcher import Match
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ops.rope import check_apply_args
-from .registry import node_value, register_fusion, upcast
+from .contraction import LAYOUT_OPS, Decline, Emitter, is_split_item, same
+from .registry import node_value, register_anchored_rewrite, register_fusion, size_hint, upcast
 
 FUSION = "rope"
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -59,9 +62,10 @@ def deinterleave_rotate_half(x, cos, sin):
 
 
 def complex_rotation(x, freqs_cis):
-    """DeepseekV2's `apply_rotary_emb` (interleaved in and out, in fp32); freqs_cis [..., d/2] complex."""
+    """DeepseekV2's `apply_rotary_emb` (interleaved in and out, in fp32); freqs_cis [..., d/2] complex.
+    Its `flatten(3)` of a 4-D x, written for any rank (DeepSeek's reference code rotates [T, H, d] too)."""
     x_ = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(x_ * freqs_cis).flatten(3).type_as(x)
+    return torch.view_as_real(x_ * freqs_cis).flatten(-2).type_as(x)
 
 
 def gptj_upcast(x, cos, sin):
@@ -236,6 +240,7 @@ def _inputs(rank: int, dtype: torch.dtype, cos_width: str, cos_dtype=None) -> li
 
 
 def register() -> None:
+    register_anchored_rewrite(FUSION, _additions, rewrite_rotation)
     # The slices' dims and steps are not part of a pattern (the strict re-trace of each match checks
     # them), so one registration serves every rank; dtypes differ where the search function casts.
     register_fusion(FUSION, interleave_to_halves, interleave_to_halves_replacement, _inputs(4, torch.float32, "half"),
@@ -259,6 +264,145 @@ def register() -> None:
             (native_neox_partial, native_neox_replacement, x_partial, check_per_token_partial),
         ):
             register_fusion(FUSION, search_fn, replace_fn, [example, cos, torch.empty_like(cos)], check)
+
+
+# --- anchored match: x * C + rot(x) * S, whatever builds rot(x) and the full-width C, S -------------
+#
+# Full-width spellings (Llama's rotate_half by slices or by chunk, GPT-J's rotate_every_two, ...) all
+# add x times C to a signed pair swap of x times S. Which swap a chain of slices, splits, negations,
+# cats and stacks builds, and whether C and S hold each angle twice (on both members of a pair), are
+# read by running the chains on probes: x's elements numbered, or the trig source's, through the
+# graph's own layout ops. Casts, and on the trig side the elementwise functions cos / sin / scalings,
+# keep equal elements equal and are skipped. A chain with any other op is no rotation.
+
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}  # read by their items (LAYOUT_OPS)
+_ROTATED_OPS = LAYOUT_OPS | _SPLITS | {aten.neg.default, aten.cat.default, aten.stack.default}
+_TRIG_OPS = LAYOUT_OPS | _SPLITS | {aten.cat.default, aten.stack.default, aten.repeat.default}
+_CASTS = {prims.convert_element_type.default, aten._to_copy.default}
+
+
+class _OtherOp(Exception):
+    """A chain reaches an op outside the ones it may contain."""
+
+
+def _passes_value(n: torch.fx.Node, elementwise: bool) -> bool:
+    """Whether n is (for the probe) its first argument: a cast, or an elementwise function of it."""
+    if n.target in _CASTS:
+        return True
+    scaled = n.target in (aten.mul.Tensor, aten.div.Tensor) and not isinstance(n.args[1], torch.fx.Node)
+    return elementwise and (n.target in (aten.cos.default, aten.sin.default) or scaled)
+
+
+def _probe(node: torch.fx.Node, origin: torch.fx.Node, ops: set, elementwise: bool) -> Optional[torch.Tensor]:
+    """`node`'s value when `origin` holds its elements numbered (1, 2, ... in fp64), through `ops`
+    only; None if the chain reaches anything else. Symbolic sizes take their example values."""
+    values = {}
+
+    def value(n):
+        if n is origin:
+            shape = [size_hint(size) for size in n.meta["val"].shape]
+            return torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape)
+        if isinstance(n.meta.get("val"), torch.SymInt):
+            return size_hint(n.meta["val"])
+        if n not in values:
+            if n.op != "call_function":
+                raise _OtherOp
+            if _passes_value(n, elementwise):
+                values[n] = value(n.args[0])
+            elif n.target in ops or is_split_item(n) and n.args[0].target in ops:
+                args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), value)
+                values[n] = n.target(*args, **kwargs)
+            else:
+                raise _OtherOp
+        return values[n]
+
+    try:
+        return value(node)
+    except _OtherOp:
+        return None
+
+
+@unset_fake_temporarily()  # probes are real tensors: passes run under the graph's fake mode
+def _swap_style(x: torch.fx.Node, rotated: torch.fx.Node) -> Optional[str]:
+    """"neox" or "interleaved" where `rotated` is x with each pair swapped and its first member negated
+    (halves: -x[i + d/2], x[i]; neighbours: -x[2i + 1], x[2i]), else None."""
+    out = _probe(rotated, x, _ROTATED_OPS, elementwise=False)
+    d = x.meta["val"].shape[-1]
+    if out is None or not isinstance(d, int) or d % 2:
+        return None
+    numbered = _probe(x, x, set(), elementwise=False)
+    if out.shape != numbered.shape:
+        return None
+    index = torch.arange(d)
+    for style, partner in (("neox", (index + d // 2) % d), ("interleaved", index ^ 1)):
+        if torch.equal(out, numbered[..., partner] * torch.where(index < partner, -1.0, 1.0)):
+            return style
+    return None
+
+
+def _trig_origin(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor a cos / sin chain starts from: the first node that is none of its ops."""
+    while node.op == "call_function":
+        if is_split_item(node):
+            node = node.args[0].args[0]
+        elif node.target in (aten.cat.default, aten.stack.default):
+            node = node.args[0][0]
+        elif node.target in _TRIG_OPS or _passes_value(node, elementwise=True):
+            node = node.args[0]
+        else:
+            break
+    return node
+
+
+@unset_fake_temporarily()
+def _holds_each_angle_twice(trig: torch.fx.Node, style: str) -> bool:
+    """Whether the two members of every pair of `trig`'s last dim are provably equal."""
+    out = _probe(trig, _trig_origin(trig), _TRIG_OPS, elementwise=True)
+    if out is None or out.shape[-1] % 2:
+        return False
+    half = out.shape[-1] // 2
+    if style == "neox":
+        return torch.equal(out[..., :half], out[..., half:])
+    return torch.equal(out[..., 0::2], out[..., 1::2])
+
+
+def _additions(graph: torch.fx.Graph) -> list:
+    return [n for n in graph.nodes if n.target is aten.add.Tensor]
+
+
+def rewrite_rotation(graph: torch.fx.Graph, add: torch.fx.Node) -> bool:
+    """The anchored match (see above) on an addition that may be x * C + rot(x) * S."""
+    terms = add.args[:2]
+    if not all(isinstance(t, torch.fx.Node) and t.target is aten.mul.Tensor and len(t.users) == 1
+               and all(isinstance(a, torch.fx.Node) for a in t.args) for t in terms):
+        return False
+    readings = [[(t.args[0], t.args[1]), (t.args[1], t.args[0])] for t in terms]  # (data, trig)
+    for plain, swapped in ((0, 1), (1, 0)):
+        for x, cos in readings[plain]:
+            for rotated, sin in readings[swapped]:
+                style = _swap_style(x, rotated) if rotated is not x else None
+                if style is not None:  # add is a rotation of x's pairs: from here on, near misses are reported
+                    _rotate(graph, add, x, cos, sin, style)
+                    return True
+    return False
+
+
+def _rotate(graph: torch.fx.Graph, add: torch.fx.Node, x, cos, sin, style: str) -> None:
+    out, val = add.meta["val"], x.meta["val"]
+    if out.dtype != val.dtype or out.dim() != val.dim() or not all(same(a, b) for a, b in zip(out.shape, val.shape)):
+        raise Decline(f"the rotation gives {out.dtype}{list(out.shape)} from x {val.dtype}{list(val.shape)}: "
+                      "not x's shape and dtype")
+    if not all(_holds_each_angle_twice(t, style) for t in (cos, sin)):
+        raise Decline("cos / sin do not provably hold each angle on both members of a pair")
+    emit = Emitter(graph, add)
+    d = cos.meta["val"].shape[-1]
+    halves = [emit(aten.slice.Tensor, t, -1, 0, d // 2) if style == "neox" else emit(aten.slice.Tensor, t, -1, 0, d, 2)
+              for t in (cos, sin)]
+    try:
+        check_apply_args(val, *(h.meta["val"] for h in halves), style)
+    except ValueError as error:
+        raise Decline(str(error).removeprefix("mla::apply_rope: ")) from error
+    add.replace_all_uses_with(emit(torch.ops.mla.apply_rope.default, x, *halves, style))
 
 
 # --- the rotation of k_pe into the projection that produces it -------------------------------------

@@ -5,7 +5,8 @@ keep it) and returns x rotated, in x's dtype. Each notes its pairing: GPT-J / De
 
 Spellings: vLLM / SGLang `forward_native` (both pairings, slicing or chunk, partial rotary dims), serving
 code's fp32 GPT-J, Llama's rotate_half with cos/sin duplicated to full width (by cat or by repeat),
-DeepSeek's complex multiplication (reference code and transformers' V2), GPT-J's `rotate_every_two`.
+DeepSeek's complex multiplication (reference code and transformers' V2), GPT-J's `rotate_every_two`,
+angles computed in the graph with a stacked swap.
 """
 
 from __future__ import annotations
@@ -90,9 +91,19 @@ def native_gptj_index_select(x, positions, cache):
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
 
 
+def angles_in_graph_stacked_swap(x, positions, cache):
+    """The angles computed in the graph from the positions (no cache read), cos/sin repeated per pair,
+    the swap stacked and reshaped: GPT-J pairs."""
+    inv = 1.0 / 10000 ** (torch.arange(0, DIM, 2, dtype=torch.float32) / DIM)
+    angles = positions[:, None].float() * inv[None, :]
+    cos, sin = (t.repeat_interleave(2, dim=-1)[:, None, :].to(x.dtype) for t in (angles.cos(), angles.sin()))
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return x * cos + torch.stack((-x2, x1), dim=-1).reshape(x.shape) * sin
+
+
 SPELLINGS = {fn.__name__: fn for fn in (
     native_gptj, native_neox, native_neox_partial, serving_gptj_fp32, llama_rotate_half, llama_rotate_half_chunk,
-    deepseek_complex, gptj_rotate_every_two, native_gptj_index_select,
+    deepseek_complex, gptj_rotate_every_two, native_gptj_index_select, angles_in_graph_stacked_swap,
 )}
 STYLE = {"native_neox": "neox", "native_neox_partial": "neox", "llama_rotate_half": "neox",
          "llama_rotate_half_chunk": "neox"}  # the others: GPT-J pairs ("interleaved")
