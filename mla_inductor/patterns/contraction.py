@@ -32,7 +32,9 @@ from typing import Callable, Hashable, Optional, Sequence, Union
 
 import torch
 from torch.fx import Node
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils import _pytree as pytree
 
 aten, prims = torch.ops.aten, torch.ops.prims
 
@@ -80,8 +82,8 @@ def shape(node: Node) -> list[Size]:
     return list(node.meta["val"].shape)
 
 
-def value(arg):
-    """An op's int argument: a SymInt where the graph computes it (a node), else the int itself."""
+def node_value(arg):
+    """An argument's value: the example (fake) tensor or SymInt behind a graph node, or the literal."""
     return arg.meta["val"] if isinstance(arg, Node) else arg
 
 
@@ -179,7 +181,7 @@ class Layout:
 _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
          prims.convert_element_type.default, aten._to_copy.default, aten.lift_fresh_copy.default}
-_SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}
+SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}  # read by their items (is_split_item)
 LAYOUT_OPS = _VIEWS | _SAME | {
     aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
     aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
@@ -188,7 +190,7 @@ LAYOUT_OPS = _VIEWS | _SAME | {
 
 def is_split_item(node: Node) -> bool:
     return (node.op == "call_function" and node.target is operator.getitem
-            and isinstance(node.args[0], Node) and node.args[0].target in _SPLITS)
+            and isinstance(node.args[0], Node) and node.args[0].target in SPLITS)
 
 
 def is_layout_op(node: Node) -> bool:
@@ -201,7 +203,7 @@ def layout_input(node: Node) -> Node:
 
 def _start(layout: Layout, dim: int, start) -> Size:
     """A slice's or select's start as an index from the front (Python's negative indices, clamped)."""
-    start = 0 if start is None else value(start)
+    start = 0 if start is None else node_value(start)
     if isinstance(start, int) and start < 0:
         return max(0, start + layout.sizes()[dim % len(layout.dims)])
     return start
@@ -384,13 +386,12 @@ class Emitter:
 
     def __init__(self, graph: torch.fx.Graph, before: Node, like: Optional[Node] = None):
         self.graph, self.before = graph, before
-        self.fake_mode = before.meta["val"].fake_mode
+        self.fake_mode = detect_fake_mode(pytree.tree_leaves(before.meta["val"]))
         self.module_stack = (like or before).meta.get("nn_module_stack", {})  # where explain() says it fired
         self.size_nodes = {}
 
     def __call__(self, target, *args, **kwargs) -> Node:
-        args, kwargs = torch.fx.node.map_aggregate(
-            (args, kwargs), lambda a: self.size_node(a) if isinstance(a, torch.SymInt) else a)
+        args, kwargs = torch.fx.node.map_aggregate((args, kwargs), self.size_arg)
         with self.graph.inserting_before(self.before):
             node = self.graph.call_function(target, args, kwargs)
         fake = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
@@ -402,6 +403,10 @@ class Emitter:
     def cast(self, node: Node, dtype: torch.dtype) -> Node:
         """node in `dtype` (itself when it already is)."""
         return node if node.meta["val"].dtype == dtype else self(prims.convert_element_type.default, node, dtype)
+
+    def size_arg(self, size: Size):
+        """`size` as an argument of an emitted op: an int as it is, a dynamic size as `size_node`."""
+        return self.size_node(size) if isinstance(size, torch.SymInt) else size
 
     def size_node(self, size: torch.SymInt):
         """A node ahead of `before` whose value is `size`: a symbolic int the graph computes, else a

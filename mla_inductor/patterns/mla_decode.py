@@ -749,8 +749,9 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         out_order, out_sizes = ("request", "head", "latent"), dict(sizes, latent=kv_lora_rank)
     scale, scale_tensor = cand.logits.scale, None
     if cand.logits.scale_tensors:  # the op's scale_tensor overrides its scale: it carries both
-        one = emit(aten.full.default, [], 1.0, dtype=torch.float64, device=torch.device("cpu"), pin_memory=False)
-        scale_tensor, scale = emit(aten.mul.Tensor, _scale_by_tensors(emit, one, cand.logits), scale), 1.0
+        device = cand.logits.scale_tensors[0][0].meta["val"].device
+        scale = emit(aten.full.default, [], scale, dtype=torch.float64, device=device, pin_memory=False)
+        scale_tensor, scale = _scale_by_tensors(emit, scale, cand.logits), 1.0
     try:
         out = emit(torch.ops.mla.latent_decode_attention.default, q, kv, tables, lens, kv_lora_rank,
                    scale, cand.logits.softcap, None, None, w_vc, scale_tensor, rope_cache, mask)

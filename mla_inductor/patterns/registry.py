@@ -19,6 +19,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 from .. import config as mla_config
 from ..record import checked, record_decision
 from . import contraction
+from .contraction import node_value  # noqa: F401  (the pattern modules import it from here)
 
 STAGES = ("joint", "post_grad")
 _PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stage in STAGES}
@@ -26,11 +27,6 @@ _PASSES = {stage: PatternMatcherPass(pass_name=f"mla_inductor_{stage}") for stag
 
 def pattern_pass(stage: str) -> PatternMatcherPass:
     return _PASSES[stage]
-
-
-def node_value(arg):
-    """A matched argument's value: the example (fake) tensor behind a graph node, or the literal."""
-    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else arg
 
 
 def size_hint(size) -> int:
@@ -77,7 +73,6 @@ def _functional_decompositions(gm: torch.fx.GraphModule) -> None:
         functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
         if name.endswith("_") and functional is not None and len(node.args[0].users) == 1:
             node.target = functional
-    gm.recompile()
 
 
 def trace_for_stage(stage: str) -> Callable:

@@ -32,7 +32,7 @@ from torch._inductor.pattern_matcher import Match
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..ops.rope import check_apply_args
-from .contraction import LAYOUT_OPS, Decline, Emitter, is_split_item, same
+from .contraction import LAYOUT_OPS, SPLITS, Decline, Emitter, is_split_item, same
 from .registry import node_value, register_anchored_rewrite, register_fusion, size_hint, upcast
 
 FUSION = "rope"
@@ -275,9 +275,8 @@ def register() -> None:
 # graph's own layout ops. Casts, and on the trig side the elementwise functions cos / sin / scalings,
 # keep equal elements equal and are skipped. A chain with any other op is no rotation.
 
-_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default}  # read by their items (LAYOUT_OPS)
-_ROTATED_OPS = LAYOUT_OPS | _SPLITS | {aten.neg.default, aten.cat.default, aten.stack.default}
-_TRIG_OPS = LAYOUT_OPS | _SPLITS | {aten.cat.default, aten.stack.default, aten.repeat.default}
+_ROTATED_OPS = LAYOUT_OPS | SPLITS | {aten.neg.default, aten.cat.default, aten.stack.default}
+_TRIG_OPS = LAYOUT_OPS | SPLITS | {aten.cat.default, aten.stack.default, aten.repeat.default}
 _CASTS = {prims.convert_element_type.default, aten._to_copy.default}
 
 
@@ -309,7 +308,7 @@ def _probe(node: torch.fx.Node, origin: torch.fx.Node, ops: set, elementwise: bo
                 raise _OtherOp
             if _passes_value(n, elementwise):
                 values[n] = value(n.args[0])
-            elif n.target in ops or is_split_item(n) and n.args[0].target in ops:
+            elif n.target in ops or is_split_item(n):  # a split's items: the split itself is checked
                 args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), value)
                 values[n] = n.target(*args, **kwargs)
             else:
@@ -428,24 +427,6 @@ def _rope_of_k_pe(rope: torch.fx.Node) -> Optional[tuple[torch.fx.Node, Optional
     return proj, view
 
 
-def _size_args(graph: torch.fx.Graph, shape, source: torch.fx.Node) -> Optional[list]:
-    """`shape` as arguments of a new node inserted before `source`'s users: ints as they are, a dynamic
-    size as a `sym_size` of the dim of `source` that has it (None if none has)."""
-    source_shape = source.meta["val"].shape
-    args = []
-    for size in shape:
-        if not isinstance(size, torch.SymInt):
-            args.append(int(size))
-            continue
-        dims = [d for d, s in enumerate(source_shape) if isinstance(s, torch.SymInt) and s.node.expr == size.node.expr]
-        if not dims:
-            return None
-        node = graph.call_function(aten.sym_size.int, (source, dims[0]))
-        node.meta["val"] = size
-        args.append(node)
-    return args
-
-
 def merge_into_qkv_a_proj(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     """`apply_rope(k_pe of mla::qkv_a_proj)` -> the projection's k_cos / k_sin epilogue, which rotates
     k_pe from its fp32 GEMM row: one kernel for the whole cache row, and one rounding fewer.
@@ -459,22 +440,16 @@ def merge_into_qkv_a_proj(graph: torch.fx.Graph) -> list[torch.fx.Node]:
             continue
         proj, _ = found
         x, cos, sin, style = rope.args
-        hidden = proj.args[0]
         half = cos.meta["val"].shape[-1]
         rows = proj.meta["val"][2].shape[:-1]
         rope_rows = x.meta["val"].shape[:-1]
-        per_row = []
-        with graph.inserting_before(proj):
-            # one row of cos/sin per k_pe row, in the projection's row order (the view kept it)
-            expand_size, row_size = _size_args(graph, [*rope_rows, half], hidden), _size_args(graph, [*rows, half], hidden)
-            if expand_size is None or row_size is None:
-                continue
-            for t in (cos, sin):
-                expanded = graph.call_function(aten.expand.default, (t, expand_size))
-                expanded.meta["val"] = t.meta["val"].expand(*rope_rows, half)
-                row = graph.call_function(aten.reshape.default, (expanded, row_size))
-                row.meta["val"] = expanded.meta["val"].reshape(*rows, half)
-                per_row.append(row)
+        emit = Emitter(graph, proj, like=rope)
+        try:  # the dynamic sizes first, so that a size no node holds leaves the graph as it was
+            expand_size, row_size = ([emit.size_arg(n) for n in shape] for shape in ([*rope_rows, half], [*rows, half]))
+        except Decline:
+            continue
+        # one row of cos/sin per k_pe row, in the projection's row order (the view kept it)
+        per_row = [emit(aten.reshape.default, emit(aten.expand.default, t, expand_size), row_size) for t in (cos, sin)]
         proj.kwargs = {**proj.kwargs, "k_cos": per_row[0], "k_sin": per_row[1], "k_rope_style": style}
         rope.replace_all_uses_with(x)
         graph.erase_node(rope)
