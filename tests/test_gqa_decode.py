@@ -232,3 +232,193 @@ class TestRewrite(expecttest.TestCase):
 where = where.self(expand, full_default_1, full_default)
 gqa_decode_attention_default = mla.gqa_decode_attention(permute_default, index_put, index_put_1, where, 0.2041241452319315)
 permute_6 = permute(gqa_decode_attention_default, [0, 2, 1, 3])""")
+
+
+# --- the peers' contracts: fp8 caches (SGLang), softcap, sliding window (vLLM) --------------------------
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# SGLang's decode-attention cases (test/srt/cpu/test_decode.py): (batch, heads, kv_heads, head_dim, v_head_dim)
+SGLANG_CASES = [
+    (2, 16, 16, 64, 64), (2, 16, 1, 16, 16), (2, 32, 8, 33, 55), (2, 16, 1, 64, 64), (2, 64, 1, 13, 13),
+    (2, 128, 1, 80, 80), (2, 128, 2, 512, 512), (1, 16, 1, 576, 512), (1, 16, 16, 576, 512), (1, 22, 1, 576, 512),
+    (1, 40, 8, 128, 128),
+]
+
+
+def quantize_per_token(x, dtype):
+    """x [B, T, heads, d] in fp8 with one fp32 scale per token (absmax over its heads and columns / the
+    format's largest value), as SGLang's cache quantizes; e5m2 without a scale, as SGLang stores it."""
+    if dtype == E5M2:
+        return x.to(dtype), None
+    scale = x.float().abs().amax((-2, -1), keepdim=True).clamp_min(1e-12) / torch.finfo(dtype).max
+    return (x.float() / scale).to(dtype), scale
+
+
+def sglang_case(batch, heads, kv_heads, head_dim, v_head_dim, dtype, cache_dtype, rows=1024, seed=0):
+    """q [B, heads, 1, d], the cache as our op takes it (key/value [B, kv_heads, T, d] views of token-major
+    buffers, as SGLang's [tokens, kv_heads, d] pool gathered per request; scales [B, 1, T, 1]), and the
+    reference's cache: the fp8 values dequantized to the query's dtype, as SGLang's test does."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, 1, head_dim, generator=g).to(dtype)
+    k = torch.randn(batch, rows, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, rows, kv_heads, v_head_dim, generator=g).to(dtype)
+    if cache_dtype == dtype:
+        return q, k.transpose(1, 2), v.transpose(1, 2), None, None, k.transpose(1, 2), v.transpose(1, 2)
+    (k8, k_scale), (v8, v_scale) = quantize_per_token(k, cache_dtype), quantize_per_token(v, cache_dtype)
+    dequantized = [(x.float() * (1 if s is None else s)).to(dtype).transpose(1, 2) for x, s in ((k8, k_scale), (v8, v_scale))]
+    scales = [None if s is None else s.transpose(1, 2) for s in (k_scale, v_scale)]
+    return q, k8.transpose(1, 2), v8.transpose(1, 2), *scales, *dequantized
+
+
+def assert_sglang_close(out, q, k_ref, v_ref):
+    """SGLang's check: cosine similarity > 0.99 and atol 3e-2 against SDPA over the dequantized cache."""
+    expected = F.scaled_dot_product_attention(q, k_ref, v_ref, scale=q.shape[-1] ** -0.5, enable_gqa=True)
+    assert F.cosine_similarity(out.double().flatten(), expected.double().flatten(), dim=0) > 0.99
+    torch.testing.assert_close(out, expected, atol=3e-2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cache_dtype", ["same", E4M3, E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sglang_decode_cases_on_bf16_and_fp8_caches(dtype, cache_dtype):
+    for case in SGLANG_CASES:
+        q, k, v, k_scale, v_scale, k_ref, v_ref = sglang_case(*case, dtype, dtype if cache_dtype == "same" else cache_dtype)
+        out = torch.ops.mla.gqa_decode_attention(q, k, v, None, None, k_scale=k_scale, v_scale=v_scale)
+        assert_sglang_close(out, q, k_ref, v_ref)
+
+
+@pytest.mark.parametrize("case, dtype, cache_dtype", [
+    ((2, 32, 8, 33, 55), torch.bfloat16, E4M3),  # widths off the vector: the partial fp8 loads
+    ((1, 22, 1, 576, 512), torch.bfloat16, E5M2),  # MQA at DeepSeek's latent widths, no scales
+    ((1, 40, 8, 128, 128), torch.float16, E4M3),
+])
+def test_template_reads_fp8_caches_at_sglang_cases(case, dtype, cache_dtype):
+    q, k, v, k_scale, v_scale, k_ref, v_ref = sglang_case(*case, dtype, cache_dtype)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: torch.ops.mla.gqa_decode_attention(*a[:3], k_scale=a[3], v_scale=a[4]),
+                       backend="mla_inductor")
+    out, (code,) = run_and_get_code(fn, q, k, v, k_scale, v_scale)
+    assert "mi::attend_split" in code and "torch.ops.mla" not in code, "the template did not serve"
+    assert f"using cache_t = at::Float8_{str(cache_dtype).split('_', 1)[1]}" in code
+    assert_sglang_close(out, q, k_ref, v_ref)
+    eager = torch.ops.mla.gqa_decode_attention(q, k, v, k_scale=k_scale, v_scale=v_scale)
+    torch.testing.assert_close(out, eager, atol=1e-2, rtol=1e-2)  # both dequantize in fp32: one rounding apart
+
+
+def test_fp8_widening_is_exact_for_every_value():
+    """All 256 values of each fp8 format (subnormals, infinities and NaN included) widened by the
+    template: request b admits only row b, whose value row holds value b, so its output is that value."""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, mask: torch.ops.mla.gqa_decode_attention(q, k, v, mask),
+                       backend="mla_inductor")
+    one_row_each = torch.eye(256, dtype=torch.bool).view(256, 1, 1, 256)
+    for dtype in (E4M3, E5M2):
+        values = torch.arange(256, dtype=torch.uint8).view(dtype)
+        value = values.view(1, 1, 256, 1).expand(256, 1, 256, 16)
+        key = torch.zeros(256, 1, 256, 16, dtype=dtype)
+        out = fn(torch.ones(256, 1, 1, 16), key, value, one_row_each)
+        expected = values.float().view(256, 1, 1, 1).expand(256, 1, 1, 16)
+        torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
+
+
+VLLM_BLOCK = 16
+
+
+def vllm_window_case(heads, kv_heads, seq_lens, dtype, head_dim=32, seed=42):
+    """vLLM's CPU paged-decode test (tests/kernels/attention/test_cpu_decode_attention.py) on a dense
+    cache: values uniform in +-head_dim^-0.5, one request per sequence, a mask for each one's length."""
+    g = torch.Generator().manual_seed(seed)
+    bound = head_dim**-0.5
+    rows = max(seq_lens)
+    uniform = lambda *shape: (torch.rand(*shape, generator=g) * 2 - 1) * bound  # noqa: E731
+    q = uniform(len(seq_lens), heads, 1, head_dim).to(dtype)
+    k, v = (uniform(len(seq_lens), kv_heads, rows, head_dim).to(dtype) for _ in range(2))
+    mask = (torch.arange(rows) < torch.tensor(seq_lens)[:, None])[:, None, None, :]
+    return q, k, v, mask
+
+
+def window_reference(q, k, v, seq_lens, window, window_block, softcap=0.0):
+    """fp64: request b attends over rows [begin, len) with begin the window's first row rounded down to
+    whole blocks (vLLM's block-granular window: only whole blocks before the window are dropped)."""
+    scale = q.shape[-1] ** -0.5
+    out = []
+    for b, length in enumerate(seq_lens):
+        begin = (length - window) // window_block * window_block if window and length > window else 0
+        kb, vb = (x[b : b + 1, :, begin:length].double() for x in (k, v))
+        n_rep = q.shape[1] // k.shape[1]
+        scores = q[b : b + 1].double() @ kb.repeat_interleave(n_rep, 1).transpose(-1, -2) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out.append(scores.softmax(-1) @ vb.repeat_interleave(n_rep, 1))
+    return torch.cat(out)
+
+
+VLLM_TOLERANCE = {torch.float32: (1e-5, 1.3e-6), torch.bfloat16: (1e-3, 1.6e-2)}  # vLLM's default atol, rtol
+VLLM_SEQ_LENS = [[42], [19, 21, 127, 129], [1234, VLLM_BLOCK - 1, VLLM_BLOCK + 1, VLLM_BLOCK]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads", [(8, 8), (64, 8)])
+def test_vllm_sliding_window_cases(heads, kv_heads, dtype):
+    atol, rtol = VLLM_TOLERANCE[dtype]
+    for seq_lens in VLLM_SEQ_LENS:
+        q, k, v, mask = vllm_window_case(heads, kv_heads, seq_lens, dtype)
+        for window in (0, VLLM_BLOCK - 1, VLLM_BLOCK, VLLM_BLOCK + 1, 128):
+            out = torch.ops.mla.gqa_decode_attention(q, k, v, mask, sliding_window=window, window_block=VLLM_BLOCK)
+            expected = window_reference(q, k, v, seq_lens, window, VLLM_BLOCK)
+            torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+
+
+def test_template_skips_the_rows_before_the_window():
+    """vLLM's window of 17 rows over blocks of 16, compiled: rows before the window's first block hold
+    NaN and are never read."""
+    seq_lens = [1234, VLLM_BLOCK - 1, VLLM_BLOCK + 1, VLLM_BLOCK]
+    q, k, v, mask = vllm_window_case(64, 8, seq_lens, torch.bfloat16)
+    for b, length in enumerate(seq_lens):
+        begin = (length - 17) // VLLM_BLOCK * VLLM_BLOCK if length > 17 else 0
+        k[b, :, :begin] = v[b, :, :begin] = float("nan")
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, mask: torch.ops.mla.gqa_decode_attention(
+        q, k, v, mask, sliding_window=17, window_block=VLLM_BLOCK), backend="mla_inductor")
+    out, (code,) = run_and_get_code(fn, q, k, v, mask)
+    assert "mi::window_begin(ends[b], 17, 16)" in code
+    atol, rtol = VLLM_TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.double(), window_reference(q, k, v, seq_lens, 17, VLLM_BLOCK), atol=atol, rtol=rtol)
+
+
+def test_softcap_with_an_exact_window_eager_and_compiled():
+    """SGLang's logit_cap (softcap * tanh(score / softcap)) and a window of exactly 100 rows, fp32."""
+    seq_lens = [300, 99, 100, 101]
+    q, k, v, mask = vllm_window_case(8, 2, seq_lens, torch.float32, head_dim=64)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)  # scores of a few units: the cap bends them
+    expected = window_reference(q, k, v, seq_lens, 100, 1, softcap=2.0)
+    eager = torch.ops.mla.gqa_decode_attention(q, k, v, mask, softcap=2.0, sliding_window=100)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v, mask: torch.ops.mla.gqa_decode_attention(
+        q, k, v, mask, softcap=2.0, sliding_window=100), backend="mla_inductor")
+    out, (code,) = run_and_get_code(fn, q, k, v, mask)
+    assert "constexpr float softcap = 2.0f" in code
+    uncapped = window_reference(q, k, v, seq_lens, 100, 1)
+    assert (uncapped - expected).abs().max() > 1e-2  # the cap matters at these scores
+    for result in (eager, out):
+        torch.testing.assert_close(result.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(key=lambda k: k.to(E4M3)), "or both one fp8 dtype"),
+    (dict(k_scale=torch.ones(1)), "k_scale dequantizes an fp8 key; key is torch.float32"),
+    (dict(key=lambda k: k.to(E4M3), value=lambda v: v.to(E4M3), k_scale=torch.ones(2, 1, 8, 1, dtype=torch.float64)),
+     "k_scale must be float32"),
+    (dict(key=lambda k: k.to(E4M3), value=lambda v: v.to(E4M3), v_scale=torch.ones(2, 2, 8)),
+     r"v_scale must broadcast against value's rows \[2, 2, 8, 1\]"),
+    (dict(softcap=-1.0), "softcap must be >= 0"),
+    (dict(sliding_window=-3), "sliding_window must be >= 0"),
+    (dict(window_block=0), "window_block must be >= 1"),
+])
+def test_bad_fp8_window_and_softcap_arguments_name_the_argument(change, message):
+    q, k, v, mask = op_inputs(torch.float32, 2, 2, 2, 8, 16, 16, [8, 8], "bool")
+    change = dict(change)
+    k = change.pop("key", lambda k: k)(k)
+    v = change.pop("value", lambda v: v)(v)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.mla.gqa_decode_attention(q, k, v, mask, **change)

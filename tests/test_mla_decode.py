@@ -332,6 +332,57 @@ def test_separate_rope_cache_equals_the_joint_rows():
     assert_matches(out, expected.double(), torch.bfloat16)
 
 
+def fp8_cache(cache, dtype, per_row):
+    """The cache in fp8 with its kv_scale (per row [num_blocks, block_size, 1] or per tensor [1]; e5m2
+    without one), and its values (the fp8 values times the scale) for the reference."""
+    if dtype == torch.float8_e5m2:
+        quantized = cache.to(dtype)
+        return quantized, None, quantized.float()
+    absmax = cache.float().nan_to_num().abs().amax(-1, keepdim=True) if per_row else cache.float().nan_to_num().abs().amax().view(1)
+    scale = absmax.clamp_min(1e-12) / torch.finfo(dtype).max
+    quantized = (cache.float() / scale).to(dtype)
+    return quantized, scale, quantized.float() * scale
+
+
+@pytest.mark.parametrize("cache_dtype, per_row", [(torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False),
+                                                  (torch.float8_e5m2, False)])
+def test_fp8_cache_reads_its_values_eager_and_compiled(cache_dtype, per_row):
+    """An fp8 latent cache (DeepSeek's 22 heads, blocks of 16, NaN past every length): both the eager
+    op and the template attend over the cache's values, dequantized in fp32 (to bf16 accuracy); the
+    separate k_pe cache shares its rows' scales."""
+    q, cache, block_tables, lens, _ = paged_case(3, 22, [300, 1, 129], 16, torch.bfloat16)
+    quantized, kv_scale, values = fp8_cache(cache, cache_dtype, per_row)
+    positions = torch.arange(300)
+    dense = values.view(-1, LORA + ROPE)[block_tables[:, positions // 16] * 16 + positions % 16]
+    expected = sdpa_reference(q, dense, lens, 0.07)
+    eager = op(q, quantized, block_tables, lens, LORA, 0.07, kv_scale=kv_scale)
+    assert_matches(eager, expected, torch.bfloat16)
+    latent, rope = quantized[..., :LORA].contiguous(), quantized[..., LORA:].contiguous()
+    out, code = run_template(compiled_op(scale=0.07), q, latent, block_tables, lens, rope_cache=rope,
+                             kv_scale=kv_scale)
+    assert "using cache_t = at::Float8_e" in code
+    assert torch.isfinite(out).all(), "a NaN row past seq_len was read"
+    assert_matches(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_scale=torch.ones(1)), "kv_scale dequantizes an fp8 kv_cache; kv_cache is torch.float32"),
+    (dict(kv_cache=torch.float8_e4m3fn, kv_scale=torch.ones(5, 4)), r"kv_scale must broadcast against kv_cache's rows"),
+    (dict(kv_cache=torch.float8_e4m3fn, new_rows=torch.zeros(2, 576), slots=torch.tensor([0, 1])),
+     "new_rows cannot be written into an fp8 kv_cache"),
+    (dict(kv_cache=torch.float8_e4m3fn, rope_cache=torch.zeros(5, 4, 64)), "rope_cache must be torch.float8_e4m3fn"),
+])
+def test_bad_fp8_cache_arguments_name_the_argument(change, message):
+    q, cache, block_tables, lens, _ = paged_case(2, 3, [12, 5], 4, torch.float32, nan_beyond=False)
+    change = dict(change)
+    if "kv_cache" in change:
+        cache = cache.to(change.pop("kv_cache"))
+        if "rope_cache" in change:
+            cache = cache[..., :LORA].contiguous()
+    with pytest.raises(ValueError, match=message):
+        op(q, cache, block_tables, lens, LORA, 0.1, **change)
+
+
 # --- the patterns ----------------------------------------------------------------------------------
 
 

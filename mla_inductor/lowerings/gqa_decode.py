@@ -11,7 +11,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from .template import FusedOpTemplate, guard_ints, realize_input
+from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides
 
 OP = torch.ops.mla.gqa_decode_attention.default
 
@@ -20,10 +20,12 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
     template_file = "gqa_decode_attention.cpp.j2"
     output = "OUT"
 
-    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, scale: float, softcap: float,
+                 sliding_window: int, window_block: int) -> None:
         super().__init__("mla_gqa_decode_attention", inputs, layout)
         self.dims = dims  # the compile-time sizes: G, D, DV
-        self.scale = scale
+        self.scale, self.softcap = scale, softcap
+        self.sliding_window, self.window_block = sliding_window, window_block
 
     def headers(self) -> tuple[str, ...]:
         return ("widen.h", "latent_attention.h")
@@ -38,6 +40,10 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
             batched = len(mask.get_size()) == 4 and not V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
             strides["mask_stride_b"] = kernel.stride(mask, 0) if batched else 0
             strides["mask_origin"] = [0] * len(mask.get_size())
+        scale_strides, scale_origins = {}, {}
+        for name, t in (("k", self.inputs["K_SCALE"]), ("v", self.inputs["V_SCALE"])):
+            if t is not None:
+                scale_strides[name], scale_origins[name] = row_scale_strides(kernel, t, rows_dims=3)
         return dict(
             **self.dims,
             **strides,
@@ -45,28 +51,41 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
             KV_HEADS=kernel.size(k, 1),
             ROWS=kernel.size(k, 2),
             scale=f"{float(self.scale)!r}f",
+            softcap=f"{float(self.softcap)!r}f",
+            sliding_window=self.sliding_window,
+            window_block=self.window_block,
+            scale_strides=scale_strides,
+            scale_origins=scale_origins,
         )
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
-def lower_gqa_decode_attention(query, key, value, attn_mask=None, scale=None):
+def lower_gqa_decode_attention(query, key, value, attn_mask=None, scale=None, softcap=0.0, sliding_window=0,
+                               window_block=1, k_scale=None, v_scale=None):
     # The op's fake implementation has checked shapes and dtypes (ops/gqa_decode.py::check_args). Heads
     # per group and row widths shape the kernel's tiles and scratch: compile-time constants. (The heads
-    # are guarded one by one: guard_int of a symbolic floor division fails on its value range.)
+    # are guarded one by one: guard_int of a symbolic floor division fails on its value range.) So is
+    # the sliding window, which a model does not change between steps (automatic dynamic makes it a
+    # symbol once two calls differ).
     serves = mla_config.active().cpp_templates and query.get_device().type == "cpu"
     sizes = serves and guard_ints(
-        dict(heads=query.get_size()[1], kv_heads=key.get_size()[1], D=query.get_size()[3], DV=value.get_size()[3])
+        dict(heads=query.get_size()[1], kv_heads=key.get_size()[1], D=query.get_size()[3], DV=value.get_size()[3],
+             sliding_window=sliding_window, window_block=window_block)
     )
     if not sizes:
-        return L.fallback_handler(OP, add_to_fallback_set=False)(query, key, value, attn_mask, scale)
+        return L.fallback_handler(OP, add_to_fallback_set=False)(query, key, value, attn_mask, scale, softcap,
+                                                                 sliding_window, window_block, k_scale, v_scale)
     dims = dict(G=sizes["heads"] // sizes["kv_heads"], D=sizes["D"], DV=sizes["DV"])
     inputs = {
         "Q": realize_input(query),
         "K": realize_input(key),
         "V": realize_input(value),
         "MASK": realize_input(attn_mask),
+        "K_SCALE": realize_input(k_scale),
+        "V_SCALE": realize_input(v_scale),
     }
     layout = ir.FixedLayout(query.get_device(), query.get_dtype(),
                             [query.get_size()[0], query.get_size()[1], 1, dims["DV"]])
     scale = 1 / math.sqrt(dims["D"]) if scale is None else scale
-    return GqaDecodeAttentionTemplate(inputs, layout, dims, scale).select()
+    return GqaDecodeAttentionTemplate(inputs, layout, dims, scale, softcap, sizes["sliding_window"],
+                                      sizes["window_block"]).select()

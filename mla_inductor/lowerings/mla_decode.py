@@ -10,7 +10,8 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
-from .template import FusedOpTemplate, guard_ints, realize_input
+from ..ops.checks import FP8_CACHE_DTYPES
+from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides
 
 OP = torch.ops.mla.latent_decode_attention.default
 aten = torch.ops.aten
@@ -32,7 +33,14 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
     def options(self, kernel) -> dict:
         q, kv, tables, seq_lens, w_vc, mask = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC", "MASK"))
         shared_mask = mask is not None and V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
+        kv_scale = self.inputs["KV_SCALE"]
+        scale_strides, scale_origin = (None, None), None
+        if kv_scale is not None:
+            scale_strides, scale_origin = row_scale_strides(kernel, kv_scale, rows_dims=2)
         return dict(
+            kv_scale_stride_block=scale_strides[0],
+            kv_scale_stride_row=scale_strides[1],
+            kv_scale_origin=scale_origin,
             **self.dims,
             BLOCK_SIZE=kernel.size(kv, 1),
             BATCH=kernel.size(q, 0),
@@ -65,7 +73,7 @@ def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[
 def _template_can_serve(q, kv_cache, block_tables, seq_lens) -> bool:
     if not mla_config.active().cpp_templates or q.get_device().type != "cpu":
         return False
-    if q.get_dtype() not in SUPPORTED_DTYPES or kv_cache.get_dtype() != q.get_dtype():
+    if q.get_dtype() not in SUPPORTED_DTYPES or kv_cache.get_dtype() not in (q.get_dtype(), *FP8_CACHE_DTYPES):
         return False
     return block_tables.get_dtype() in (torch.int32, torch.int64) and seq_lens.get_dtype() in (torch.int32, torch.int64)
 
@@ -82,9 +90,9 @@ def _write_new_rows(kv_cache, new_rows, slots):
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0,
                                   new_rows=None, slots=None, w_vc=None, scale_tensor=None, rope_cache=None,
-                                  attn_mask=None):
+                                  attn_mask=None, kv_scale=None):
     args = (q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap, new_rows, slots, w_vc, scale_tensor,
-            rope_cache, attn_mask)
+            rope_cache, attn_mask, kv_scale)
     dims = _template_can_serve(q, kv_cache, block_tables, seq_lens) and _compile_time_dims(
         q, kv_cache, rope_cache, w_vc, kv_lora_rank
     )
@@ -102,6 +110,7 @@ def lower_latent_decode_attention(q, kv_cache, block_tables, seq_lens, kv_lora_r
         "WVC": realize_input(w_vc),
         "SCALE": realize_input(scale_tensor),
         "MASK": realize_input(attn_mask),
+        "KV_SCALE": realize_input(kv_scale),
     }
     layout = ir.FixedLayout(q.get_device(), q.get_dtype(), [q.get_size()[0], dims["H"], dims["OUT_DIM"]])
     return LatentDecodeAttentionTemplate(inputs, layout, dims, scale, softcap).select()

@@ -52,6 +52,20 @@ def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
     return ir.ExternKernel.require_stride1(t)  # a flexible layout becomes contiguous: dense in the last dim
 
 
+def row_scale_strides(kernel, scale: ir.IRNode, rows_dims: int) -> tuple[list, list]:
+    """The strides by which an fp8 cache's row scales are read for the cache's first `rows_dims` dims
+    (the scale broadcasts against the cache, right-aligned, with size 1 in the last dim: ops/checks.py),
+    0 where the scale is broadcast; and the index of its first element."""
+    size = scale.get_size()
+    lead = rows_dims + 1 - len(size)  # cache dims the scale does not have
+    strides = []
+    for dim in range(rows_dims):
+        own = dim - lead
+        broadcast = own < 0 or V.graph.sizevars.statically_known_equals(size[own], 1)
+        strides.append(0 if broadcast else kernel.stride(scale, own))
+    return strides, [0] * len(size)
+
+
 def guard_ints(sizes: dict) -> Optional[dict]:
     """Sizes that shape a kernel's tiles and loops (heads, row widths) as ints. Under dynamic=True they
     are symbols: specialize on them with a guard (a model's heads do not change between steps). None

@@ -13,6 +13,9 @@ size of 1 is SGLang's per-token index layout, 16 vLLM's. When `new_rows` and `sl
 the op first writes new_rows[b] into flat row slots[b] of the cache (the new token's latent row), so
 the caller's separate cache write can be fused away. Rows at or past seq_lens[b] are never read.
 A 0-d `scale_tensor` overrides `scale` (what a float module attribute becomes under dynamic=True).
+The cache may be fp8 (float8_e4m3fn or float8_e5m2; rope_cache alike, q stays bf16/fp16/fp32), its rows
+read as kv_cache.float() * kv_scale: None (1) or fp32, broadcast against the rows (last dim 1), per
+tensor or per row [num_blocks, block_size, 1]; the k_pe rows of a rope_cache share their row's scale.
 `attn_mask` [batch or 1, max_blocks * block_size] masks row j of request b by attn_mask[b, j]: a bool
 admits the row where true, a float is added to its scores (after the softcap). A request whose rows
 the mask all excludes, like one of length 0, returns zeros. Rows past the last one the mask admits are
@@ -29,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import check_cpu_tensors
+from .checks import FP8_CACHE_DTYPES, check_cache_scale, check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -39,7 +42,7 @@ def _fail(message: str) -> None:
 
 
 def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc,
-               scale_tensor=None, rope_cache=None, attn_mask=None) -> None:
+               scale_tensor=None, rope_cache=None, attn_mask=None, kv_scale=None) -> None:
     if q.dtype not in SUPPORTED_DTYPES:
         _fail(f"q has dtype {q.dtype}; supported: bfloat16, float16, float32")
     if q.dim() != 3:
@@ -51,9 +54,9 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
             f"{' and rope_cache' if rope_cache is not None else ''}, got {list(kv_cache.shape)}"
         )
     if rope_cache is not None:
-        if rope_cache.dim() != 3 or rope_cache.shape[:2] != kv_cache.shape[:2] or rope_cache.dtype != q.dtype:
+        if rope_cache.dim() != 3 or rope_cache.shape[:2] != kv_cache.shape[:2] or rope_cache.dtype != kv_cache.dtype:
             _fail(
-                f"rope_cache must be {q.dtype}[{kv_cache.shape[0]}, {kv_cache.shape[1]}, rope] like kv_cache, "
+                f"rope_cache must be {kv_cache.dtype}[{kv_cache.shape[0]}, {kv_cache.shape[1]}, rope] like kv_cache, "
                 f"got {rope_cache.dtype}{list(rope_cache.shape)}"
             )
         if not rope_cache.is_contiguous():
@@ -63,8 +66,10 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
     check_cpu_tensors(_fail, dict(q=q, kv_cache=kv_cache, block_tables=block_tables, seq_lens=seq_lens))
     if not kv_cache.is_contiguous():
         _fail("kv_cache must be contiguous (rows are addressed as block * block_size + offset)")
-    if kv_cache.dtype != q.dtype:
-        _fail(f"kv_cache has dtype {kv_cache.dtype}, expected q's dtype {q.dtype}")
+    if kv_cache.dtype not in (q.dtype, *FP8_CACHE_DTYPES):
+        _fail(f"kv_cache has dtype {kv_cache.dtype}, expected q's dtype {q.dtype} or an fp8 dtype "
+              "(float8_e4m3fn, float8_e5m2)")
+    check_cache_scale(_fail, "kv_scale", kv_scale, kv_cache, "kv_cache")
     batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or block_tables.is_floating_point():
         _fail(f"block_tables must be an integer [{batch}, max_blocks] tensor, got {block_tables.dtype}{list(block_tables.shape)}")
@@ -77,6 +82,9 @@ def check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_r
     if (new_rows is None) != (slots is None):
         _fail("new_rows and slots go together: give both or neither")
     if new_rows is not None:
+        if kv_cache.dtype in FP8_CACHE_DTYPES:
+            _fail("new_rows cannot be written into an fp8 kv_cache (its scale is the writer's choice): "
+                  "quantize and write the row before the call")
         if tuple(new_rows.shape) != (batch, q.shape[-1]) or new_rows.dtype != q.dtype:
             _fail(f"new_rows must be {q.dtype}[{batch}, {q.shape[-1]}], got {new_rows.dtype}{list(new_rows.shape)}")
         if slots.dim() != 1 or slots.shape[0] != batch or slots.is_floating_point():
@@ -127,9 +135,10 @@ def latent_decode_attention(
     scale_tensor: Optional[Tensor] = None,
     rope_cache: Optional[Tensor] = None,
     attn_mask: Optional[Tensor] = None,
+    kv_scale: Optional[Tensor] = None,
 ) -> Tensor:
     check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
-               rope_cache, attn_mask)
+               rope_cache, attn_mask, kv_scale)
     _check_indices(kv_cache, block_tables, seq_lens, slots)
     if scale_tensor is not None:
         scale = float(scale_tensor)
@@ -137,6 +146,7 @@ def latent_decode_attention(
     if new_rows is not None:
         rows[slots] = new_rows
     rope_rows = None if rope_cache is None else rope_cache.view(-1, rope_cache.shape[-1])
+    row_scales = None if kv_scale is None else kv_scale.expand(*kv_cache.shape[:-1], 1).reshape(-1, 1)
     block_size = kv_cache.shape[1]
     batch, heads = q.shape[0], q.shape[1]
     out_dim = kv_lora_rank if w_vc is None else w_vc.shape[1]
@@ -155,6 +165,8 @@ def latent_decode_attention(
         index = block_tables[b, positions // block_size].long() * block_size + positions % block_size
         keys = rows[index] if rope_rows is None else torch.cat([rows[index], rope_rows[index]], dim=-1)
         keys = keys.float()  # only this request's rows: never a copy of the whole cache
+        if row_scales is not None:
+            keys = keys * row_scales[index]
         scores = (q[b].float() @ keys.T) * scale  # [heads, length]
         if softcap > 0:
             scores = softcap * torch.tanh(scores / softcap)
@@ -169,9 +181,9 @@ def latent_decode_attention(
 
 @latent_decode_attention.register_fake
 def _(q, kv_cache, block_tables, seq_lens, kv_lora_rank, scale, softcap=0.0, new_rows=None, slots=None, w_vc=None,
-      scale_tensor=None, rope_cache=None, attn_mask=None):
+      scale_tensor=None, rope_cache=None, attn_mask=None, kv_scale=None):
     check_args(q, kv_cache, block_tables, seq_lens, kv_lora_rank, softcap, new_rows, slots, w_vc, scale_tensor,
-               rope_cache, attn_mask)
+               rope_cache, attn_mask, kv_scale)
     return q.new_empty(q.shape[0], q.shape[1], kv_lora_rank if w_vc is None else w_vc.shape[1])
 
 
@@ -186,14 +198,16 @@ def latent_decode_attention_dense(
     scale_tensor: Optional[Tensor] = None,
     rope: Optional[Tensor] = None,
     attn_mask: Optional[Tensor] = None,
+    kv_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """The same attention over a dense cache kv [batch, max_len, kv_lora_rank + rope] (or kv_lora_rank
     columns, with the k_pe rows in `rope` [batch, max_len, rope]): one block per request, viewed as a
-    paged cache without a copy. attn_mask is [batch or 1, max_len]."""
+    paged cache without a copy. attn_mask is [batch or 1, max_len]; kv_scale, for an fp8 kv, broadcasts
+    against [batch, max_len, 1]."""
     if kv.dim() != 3 or kv.shape[0] != q.shape[0]:
         _fail(f"kv must be [{q.shape[0]}, max_len, columns] for the dense form, got {list(kv.shape)}")
     block_tables = torch.arange(kv.shape[0], device=kv.device).view(-1, 1)
     return torch.ops.mla.latent_decode_attention(
         q, kv, block_tables, seq_lens, kv_lora_rank, scale, softcap,
-        w_vc=w_vc, scale_tensor=scale_tensor, rope_cache=rope, attn_mask=attn_mask,
+        w_vc=w_vc, scale_tensor=scale_tensor, rope_cache=rope, attn_mask=attn_mask, kv_scale=kv_scale,
     )

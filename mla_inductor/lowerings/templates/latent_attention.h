@@ -325,12 +325,21 @@ inline int64_t kv_splits(int64_t requests, int64_t max_len, int threads) {
       1, std::min<int64_t>((4 * threads + requests - 1) / requests, (max_len + kMinSplitRows - 1) / kMinSplitRows));
 }
 
-// Rows [j0, j1) of split `split` of a request's len rows: whole blocks, the last split takes the rest.
-inline std::pair<int64_t, int64_t> split_rows(int64_t len, int64_t splits, int64_t split) {
-  const int64_t per_split = (len + splits - 1) / splits;
+// Rows [j0, j1) of split `split` of a request's rows [begin, end): whole blocks, the last split takes
+// the rest.
+inline std::pair<int64_t, int64_t> split_rows(int64_t begin, int64_t end, int64_t splits, int64_t split) {
+  const int64_t per_split = (end - begin + splits - 1) / splits;
   const int64_t chunk = (per_split + kKvBlock - 1) / kKvBlock * kKvBlock;
-  const int64_t j0 = std::min(len, split * chunk);
-  return {j0, std::min(len, j0 + chunk)};
+  const int64_t j0 = std::min(end, begin + split * chunk);
+  return {j0, std::min(end, j0 + chunk)};
+}
+
+// The first row a sliding window of `window` rows (0: none) admits when the query's row is end - 1,
+// rounded down to a multiple of `granule` (1: exactly the window; a paged kernel's block size: whole
+// blocks, as vLLM's CPU decode keeps them).
+inline int64_t window_begin(int64_t end, int64_t window, int64_t granule) {
+  if (window <= 0 || end <= window) return 0;
+  return (end - window) / granule * granule;
 }
 
 // The online-softmax state of a task over its scratch (m [H], l [H], o [H, L]), before any row.
@@ -342,11 +351,12 @@ inline SoftmaxState start_task(float* state) {
   return st;
 }
 
-// Whether the dpbf16 kernels serve this dtype and latent width (P.V works in 32-column chunks).
-template <typename T>
+// Whether the dpbf16 kernels serve this query type T, cache type C and latent width (P.V works in
+// 32-column chunks). An fp8 cache takes the portable kernels, which widen it in registers.
+template <typename T, typename C>
 constexpr bool use_bf16_kernels(int64_t L) {
 #if defined(__AVX512BF16__)
-  return std::is_same_v<T, c10::BFloat16> && L % 32 == 0;
+  return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && L % 32 == 0;
 #else
   return false;
 #endif
@@ -435,10 +445,20 @@ struct BlockRows {
   }
 };
 
+// Dequantization scales of an fp8 cache's rows: the scale of the row at offset o of block b is
+// data[b * block_stride + o * row_stride] (both strides 0: one scale for the cache). data = nullptr:
+// the rows need none.
+struct RowScales {
+  const float* data = nullptr;
+  int64_t block_stride = 0;
+  int64_t row_stride = 0;
+};
+
 // Where one request's rows live: row j is at offset j % block_size of block table[j / block_size] in
 // each cache. Its key is the key row (D1 columns, rows key_stride apart) followed, when D2 > 0, by the
 // rope row (D2 columns, rows D2 apart); its value is the value row (L columns), or, without a value
-// cache, the first L columns of the key row (MLA's latent rows).
+// cache, the first L columns of the key row (MLA's latent rows). A row's key and value are its cache
+// values times the row's key_scale and value_scale.
 template <typename T, typename IndexT>
 struct RequestRows {
   const T* key;
@@ -448,7 +468,31 @@ struct RequestRows {
   int64_t value_stride;
   int64_t block_size;
   const IndexT* table;
+  RowScales key_scale = {};
+  RowScales value_scale = {};
 };
+
+// out[i] = the scale of row j0 + i of a request, for i < n.
+template <typename IndexT>
+inline void gather_scales(const RowScales& scales, int64_t block_size, const IndexT* table, int64_t j0, int n,
+                          float* out) {
+  for (int i = 0; i < n; ++i) {
+    const int64_t j = j0 + i;
+    out[i] = scales.data[static_cast<int64_t>(table[j / block_size]) * scales.block_stride +
+                         j % block_size * scales.row_stride];
+  }
+}
+
+// x[h * kKvBlock + i] *= row_scale[i] for H heads and n rows: a key scale on the scores, a value
+// scale on the probabilities that weigh the value rows.
+inline void scale_rows(float* x, int H, int n, const float* row_scale) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int h = 0; h < H; ++h)
+    for (int i = 0; i < n; i += Vec::size()) {
+      const int count = std::min<int>(Vec::size(), n - i);
+      (Vec::loadu(x + h * kKvBlock + i, count) * Vec::loadu(row_scale + i, count)).store(x + h * kKvBlock + i, count);
+    }
+}
 
 // A per-row mask shared by the heads: a bool admits row j where true, a number adds to its scores.
 template <typename MaskT>
@@ -704,20 +748,21 @@ inline void block_pv_fp32(const float* p, Rows values, int n, const float* alpha
 }
 
 // Attention of H query heads (q rows ldq apart, D1 + D2 columns) over rows [j0, j1) of one request,
-// into st (m and l initialised by the caller; o not written if no row is admitted). mask (nullptr:
-// none) holds the request's per-row mask, indexed by row. `zero_row` pads an odd block, so that no row
-// at or past the request's length is ever read.
-template <typename T, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L, typename MaskT = bool>
-inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& request, int64_t j0, int64_t j1,
-                         float scale, float softcap, const MaskT* mask, const T* zero_row, SoftmaxState& st) {
-  constexpr bool kBf16 = use_bf16_kernels<T>(L);
+// whose cache holds C (T, or fp8 with row scales), into st (m and l initialised by the caller; o not
+// written if no row is admitted). mask (nullptr: none) holds the request's per-row mask, indexed by
+// row. `zero_row` pads an odd block, so that no row at or past the request's length is ever read.
+template <typename T, typename C, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L, typename MaskT = bool>
+inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& request, int64_t j0, int64_t j1,
+                         float scale, float softcap, const MaskT* mask, const C* zero_row, SoftmaxState& st) {
+  constexpr bool kBf16 = use_bf16_kernels<T, C>(L);
   constexpr bool kDirect = !kBf16 && widens_from_cache(H);
   using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
   constexpr int64_t D = D1 + D2;
   alignas(64) float s[H * kKvBlock];
   alignas(64) ProbT p[H * kKvBlock];
+  alignas(64) float row_scale[kKvBlock];
   float alpha[H];
-  RequestBlocks<T, IndexT, D2> b{{request.key, request.key_stride}, {request.rope, D2},
+  RequestBlocks<C, IndexT, D2> b{{request.key, request.key_stride}, {request.rope, D2},
                                  {request.value, request.value_stride}, request.value != nullptr};
   auto gather = [&](int64_t j, int n) {
     b.key.gather(request.block_size, request.table, j, n);
@@ -756,9 +801,21 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
     } else {
       block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale, s, keys);
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
+      // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
+      // and on the probabilities that weigh the value rows (l sums the unscaled ones).
+      if (request.key_scale.data != nullptr) {
+        gather_scales(request.key_scale, request.block_size, request.table, jb, n, row_scale);
+        scale_rows(s, H, n, row_scale);
+      }
     }
 
     softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
+    if constexpr (!kBf16) {
+      if (request.value_scale.data != nullptr) {
+        gather_scales(request.value_scale, request.block_size, request.table, jb, n, row_scale);
+        scale_rows(p, H, n, row_scale);
+      }
+    }
 
     // o = alpha * o + p . V (o = p . V on the first block).
     if constexpr (kBf16) {
@@ -780,10 +837,10 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<T, IndexT>& 
 // latent = stored with its columns in natural order: the bf16 P.V kernel stores them permuted in runs of
 // four (paired_column), which move as one 16-byte copy (a scalar loop over the columns cost 1.5% of a
 // 4096-row step and most of a short one).
-template <typename T, int64_t L>
+template <typename T, typename C, int64_t L>
 inline void restore_column_order(const float* stored, float* latent) {
 #if defined(__AVX512BF16__)
-  if constexpr (use_bf16_kernels<T>(L)) {
+  if constexpr (use_bf16_kernels<T, C>(L)) {
     for (int64_t i = 0; i < L; i += 4) {
       const int64_t column = (i & ~int64_t(31)) + paired_column(static_cast<int>(i & 31));
       std::memcpy(latent + column, stored + i, 4 * sizeof(float));
@@ -800,7 +857,8 @@ constexpr int64_t kTaskFloats = H * (L + 2);
 
 // The normalised latent output of head h, in natural column order: the splits' partial results are
 // weighed by exp(m_s - max_s m_s), i.e. merged by their log-sum-exp. A request without rows gets zeros.
-template <typename T, int H, int64_t L>
+// T and C: the query and cache types the tasks ran attend_split with.
+template <typename T, typename C, int H, int64_t L>
 inline void merge_splits(const float* tasks, int64_t splits, int h, float* latent) {
   constexpr int64_t kTask = kTaskFloats<H, L>;
   float m_max = -std::numeric_limits<float>::infinity();
@@ -824,7 +882,7 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
       at::vec::fmadd(weight, Vec::loadu(o + i, count), Vec::loadu(merged + i, count)).store(merged + i, count);
     }
   }
-  restore_column_order<T, L>(merged, latent);
+  restore_column_order<T, C, L>(merged, latent);
 }
 
 // out[k * ld_out + r] = latents[k] . w[r] for NB requests x NR rows of w, rounded once. The tile's
