@@ -52,7 +52,8 @@ def test_gemm_probe_times_the_roof_dtype_quickly():
 
 class Projections(nn.Module):
     """q_b_absorb on weights that freezing makes constants (packed in the target's layout), and latent
-    decode attention over a paged cache, in one graph: one compile covers both kernels."""
+    decode attention over a paged cache, bf16 and fp8 (the fp8 widening), in one graph: one compile
+    covers the kernels."""
 
     def __init__(self, heads=3, nope=16, rope=8, latent=64, q_lora_rank=99):
         super().__init__()
@@ -64,9 +65,10 @@ class Projections(nn.Module):
                                  requires_grad=False)
         self.latent = latent
 
-    def forward(self, q_a, cos, sin, cache, tables, lens):
+    def forward(self, q_a, cos, sin, cache, tables, lens, fp8_cache, fp8_scale):
         q = torch.ops.mla.q_b_absorb(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
-        return q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1)
+        return (q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1),
+                torch.ops.mla.latent_decode_attention(q, fp8_cache, tables, lens, self.latent, 0.1, kv_scale=fp8_scale))
 
 
 def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):
@@ -75,8 +77,9 @@ def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, bloc
     cache = torch.randn(tokens * 3, block_size, latent + rope, generator=g).bfloat16()
     tables = torch.randperm(tokens * 3, generator=g).view(tokens, 3)
     lens = torch.tensor([rows, 1, 2 * block_size + 1][:tokens])
+    fp8_scale = cache.float().abs().amax(-1, keepdim=True) / 448
     return (torch.randn(tokens, q_lora_rank, generator=g).bfloat16(), angles.cos().bfloat16(),
-            angles.sin().bfloat16(), cache, tables, lens)
+            angles.sin().bfloat16(), cache, tables, lens, (cache.float() / fp8_scale).to(torch.float8_e4m3fn), fp8_scale)
 
 
 def compile_frozen(module, inputs, backend="mla_inductor"):
@@ -90,13 +93,14 @@ def compile_frozen(module, inputs, backend="mla_inductor"):
 def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(AVX2_TARGET):
-        (q, out), (code,) = compile_frozen(module, inputs)
-    assert "mi::attend_split" in code and "mi::packed_task" in code
+        (q, out, out_fp8), (code,) = compile_frozen(module, inputs)
+    assert "mi::attend_split" in code and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
     with torch.no_grad():
-        q_expected, out_expected = module(*inputs)  # the ops' eager references
+        q_expected, out_expected, fp8_expected = module(*inputs)  # the ops' eager references
     args = dict(q_a=inputs[0], q_b_weight=module.q_b_weight, w_kc=module.w_kc, cos=inputs[1], sin=inputs[2])
     torch.testing.assert_close(q.double(), q_b_reference(**args, rope_style="interleaved"), atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), out_expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out_fp8.float(), fp8_expected.float(), atol=1e-2, rtol=1e-2)
 
 
 def compile_only(gm, example_inputs):
@@ -111,4 +115,4 @@ def test_avx512_bf16_kernels_compile_here():
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         _, (code,) = compile_frozen(module, inputs, backend=compile_only)
-    assert "mi::attend_split" in code and "mi::packed_task" in code
+    assert "mi::attend_split" in code and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
