@@ -472,14 +472,18 @@ struct RequestRows {
   RowScales value_scale = {};
 };
 
-// out[i] = the scale of row j0 + i of a request, for i < n.
+// out[i] = the scale of row j0 + i of a request, for i < n (one division per call, as gather_rows).
 template <typename IndexT>
 inline void gather_scales(const RowScales& scales, int64_t block_size, const IndexT* table, int64_t j0, int n,
                           float* out) {
+  int64_t block = j0 / block_size, offset = j0 % block_size;
+  const float* base = scales.data + static_cast<int64_t>(table[block]) * scales.block_stride;
   for (int i = 0; i < n; ++i) {
-    const int64_t j = j0 + i;
-    out[i] = scales.data[static_cast<int64_t>(table[j / block_size]) * scales.block_stride +
-                         j % block_size * scales.row_stride];
+    out[i] = base[offset * scales.row_stride];
+    if (++offset == block_size && i + 1 < n) {
+      offset = 0;
+      base = scales.data + static_cast<int64_t>(table[++block]) * scales.block_stride;
+    }
   }
 }
 
@@ -799,7 +803,8 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
 #endif
     } else {
-      block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale, s, keys);
+      // the keys come widened times kWidenedScale<C>; merge_splits undoes it on the values
+      block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
       // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
       // and on the probabilities that weigh the value rows (l sums the unscaled ones).
@@ -875,7 +880,7 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
   for (int64_t sp = 0; sp < splits; ++sp) {
     const float* task = tasks + sp * kTask;
     if (task[H + h] == 0.f) continue;
-    const Vec weight(std::exp(task[h] - m_max) / denominator);
+    const Vec weight(std::exp(task[h] - m_max) / denominator / kWidenedScale<C>);  // o holds widened values
     const float* o = task + 2 * H + h * L;
     for (int64_t i = 0; i < L; i += Vec::size()) {
       const int64_t count = std::min<int64_t>(Vec::size(), L - i);

@@ -1,0 +1,112 @@
+"""Decode attention over an fp8 KV cache against the same step over a bf16 cache, B=1, 4096 rows.
+
+An fp8 cache holds half the bytes, which is all a decode step over a long context must read; the
+kernels widen it in registers (docs/mla_decode.md). Two steps, each over a stack of layers whose caches
+exceed the L3 even in fp8:
+- gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128),
+  8 layers (16 MiB of bf16 K and V each);
+- latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22),
+  latent rows of 512 + 64, blocks of 16, W_vc de-absorption, 16 layers (4.5 MiB of bf16 cache each).
+Each compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's) and
+an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
+throughput of the roofline: max(cache bytes / copy bandwidth, FLOPs / the GEMM the kernel's products run
+as: fp32 for an fp8 cache, which the dpbf16 tiles do not take). Prints medians; asserts nothing.
+
+    python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096]
+"""
+
+import argparse
+
+import torch
+
+from mla_inductor import benchmarking, isa
+from mla_inductor.models import make_block_tables
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def quantized(x, dtype, scale_dims):
+    """x in `dtype` and its fp32 scales (absmax over scale_dims / the format's largest value; e5m2 and
+    bf16: none)."""
+    if dtype != E4M3:
+        return x.to(dtype), None
+    scale = x.float().abs().amax(scale_dims, keepdim=True) / torch.finfo(dtype).max
+    return (x.float() / scale).to(dtype), scale
+
+
+def gqa_step(args, dtype):
+    heads, kv_heads, head_dim, layers = 32, 8, 128, args.gqa_layers
+    q = torch.randn(1, heads, 1, head_dim).bfloat16()
+    layers_kv = []
+    for _ in range(layers):
+        # per token over its heads, as SGLang quantizes its [tokens, kv_heads, d] pool: scales [1, 1, T, 1]
+        k, k_scale = quantized(torch.randn(1, args.context, kv_heads, head_dim), dtype, (-2, -1))
+        v, v_scale = quantized(torch.randn(1, args.context, kv_heads, head_dim), dtype, (-2, -1))
+        scales = [None if s is None else s.transpose(1, 2) for s in (k_scale, v_scale)]
+        layers_kv.append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), *scales))
+    fn = torch.compile(lambda q, k, v, ks, vs: torch.ops.mla.gqa_decode_attention(q, k, v, k_scale=ks, v_scale=vs),
+                       backend="mla_inductor", dynamic=False)
+    cache_bytes = sum(k.nbytes + v.nbytes for k, v, *_ in layers_kv)
+    flops = layers * heads * args.context * 2 * 2 * head_dim
+    return (lambda: [fn(q, *kv) for kv in layers_kv]), cache_bytes, flops
+
+
+def latent_step(args, dtype):
+    heads, lora, rope, v_head_dim, layers, block_size = 22, 512, 64, 128, args.latent_layers, 16
+    block_tables, num_blocks = make_block_tables(1, args.context, block_size, seed=0)
+    q = torch.randn(1, heads, lora + rope).bfloat16()
+    caches = [quantized(torch.randn(num_blocks, block_size, lora + rope), dtype, (-1,)) for _ in range(layers)]
+    w_vcs = [(torch.randn(heads, v_head_dim, lora) * lora**-0.5).bfloat16() for _ in range(layers)]
+    seq_lens = torch.tensor([args.context])
+    fn = torch.compile(lambda q, c, s, w: torch.ops.mla.latent_decode_attention(
+        q, c, block_tables, seq_lens, lora, 0.1, w_vc=w, kv_scale=s), backend="mla_inductor", dynamic=False)
+    row_bytes = (lora + rope) * caches[0][0].element_size()
+    cache_bytes = layers * args.context * row_bytes
+    flops = layers * heads * args.context * 2 * (lora + rope + lora)
+    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), cache_bytes, flops
+
+
+def bench(name, make_step, args):
+    dtypes = {"bf16": torch.bfloat16, "e4m3, per-token scales": E4M3, "e5m2": E5M2}
+    steps = {label: make_step(args, dtype) for label, dtype in dtypes.items()}
+    copy, copy_bytes = benchmarking.copy_probe()
+    gemm_bf16, gemm_bf16_flops = benchmarking.gemm_probe(torch.bfloat16)
+    gemm_fp32, gemm_fp32_flops = benchmarking.gemm_probe(torch.float32)
+    fns = {label: step for label, (step, _, _) in steps.items()}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()  # compile
+        t = benchmarking.interleaved_medians(
+            {**fns, "copy": copy, "gemm bf16": gemm_bf16, "gemm fp32": gemm_fp32}, rounds=args.rounds, calls=3)
+    bandwidth = copy_bytes / t["copy"]
+    roof = {"bf16": gemm_bf16_flops / t["gemm bf16"], "fp32": gemm_fp32_flops / t["gemm fp32"]}
+    print(f"\n## {name}, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, GEMM "
+          f"{isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
+          f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s (fp8 caches' roof); {benchmarking.machine_line()}")
+    print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline |")
+    print("|---|---|---|---|---|---|")
+    for label, (_, cache_bytes, flops) in steps.items():
+        compute = flops / (roof["bf16"] if label == "bf16" else roof["fp32"])
+        roofline = max(cache_bytes / bandwidth, compute)
+        print(f"| {label} | {cache_bytes / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
+              f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} |", flush=True)
+    torch._dynamo.reset()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--part", nargs="+", default=["gqa", "latent"], choices=["gqa", "latent"])
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--gqa-layers", type=int, default=8, help="8 x 16 MiB of bf16 K and V at context 4096")
+    p.add_argument("--latent-layers", type=int, default=16, help="16 x 4.5 MiB of bf16 cache at context 4096")
+    p.add_argument("--rounds", type=int, default=9)
+    args = p.parse_args()
+    benchmarking.fresh_compiles()
+    if "gqa" in args.part:
+        bench("gqa: 32 query over 8 key/value heads of 128, 8 layers", gqa_step, args)
+    if "latent" in args.part:
+        bench("latent: 22 heads, rows of 512 + 64, blocks of 16, W_vc, 16 layers", latent_step, args)
+
+
+if __name__ == "__main__":
+    main()
