@@ -53,13 +53,12 @@ def call(fn, tokens, seed=0, **changes):
               1e-6)
 
 
-def assert_matches_per_stage_reference(outputs, tokens, seed=0, fused=True):
+def assert_matches_per_stage_reference(outputs, tokens, seed=0):
     """Within bf16 tolerance (atol = rtol = 1e-2, on values scaled to a max of 1) of SGLang's per-stage
-    reference and, for the `fused` (compiled) path, at most twice as far from fp64 as it is (DESIGN.md).
-    Unscaled, values reach 14 here, where one bf16 ulp is 0.0625: two correct kernels that round at
-    different stages differ by that much (ours rounds the q side twice, the reference four times).
-    The eager path is the ops' references, whose RMSNorm rounds as transformers' does (x * r, then
-    * weight): with SGLang's randn norm weights that is up to 2.4x the per-stage reference's error."""
+    reference, and no less accurate than it against fp64: a smaller mean error, and a largest error at
+    most twice its own (DESIGN.md). Unscaled, values reach 14 here, where one bf16 ulp is 0.0625: two
+    correct kernels that round at different stages differ by that much (ours rounds q once after the
+    A-projection's norm and once at the end, the reference after every stage)."""
     q_input, k_input, v_input = outputs
     hidden, positions = inputs(tokens, seed)
     w = tp22_weights()
@@ -70,15 +69,15 @@ def assert_matches_per_stage_reference(outputs, tokens, seed=0, fused=True):
     for ours, staged, fp64 in zip((q_input, k_input), per_stage, exact):
         scale = fp64.abs().max().item()
         torch.testing.assert_close(ours.double() / scale, staged.double() / scale, atol=1e-2, rtol=1e-2)
-        if fused:
-            ours_error, staged_error = ((t.double() - fp64).abs().max().item() for t in (ours, staged))
-            assert ours_error <= 2 * staged_error, (ours_error, staged_error)
+        ours_error, staged_error = ((t.double() - fp64).abs() for t in (ours, staged))
+        assert ours_error.mean() <= staged_error.mean(), (ours_error.mean(), staged_error.mean())
+        assert ours_error.max() <= 2 * staged_error.max(), (ours_error.max(), staged_error.max())
     assert v_input.shape == (tokens, 1, LATENT) and v_input.data_ptr() == k_input.data_ptr(), "v is k's view"
 
 
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_eager_matches_sglang_per_stage_reference(tokens):
-    assert_matches_per_stage_reference(call(op, tokens, seed=tokens), tokens, seed=tokens, fused=False)
+    assert_matches_per_stage_reference(call(op, tokens, seed=tokens), tokens, seed=tokens)
 
 
 def test_fused_weight_variant_equals_separate_weights():
