@@ -6,31 +6,25 @@ from mla_inductor import report
 
 
 def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
-    result = report.main(["--quick", "--out", str(tmp_path), "--name", "r"])
+    """The decode half of `--quick` (every model builder; prefill runs the same code with another
+    phase and would double the suite's longest test: 3 minutes on a cold cache here)."""
+    result = report.main(["--quick", "--phase", "decode", "--out", str(tmp_path), "--name", "r"])
     written = json.loads((tmp_path / "r.json").read_text())
     assert written == json.loads(json.dumps(result))
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     markdown = (tmp_path / "r.md").read_text()
 
     labels = [r["label"] for r in written["results"]]
-    assert labels == [
-        "serving decode B=1 ctx 64",
-        "serving prefill B=1 32 tok",
-        "hf decode B=1 ctx 64",
-        "hf prefill B=1 32 tok",
-        "llama decode B=1 ctx 64",
-        "llama prefill B=1 32 tok",
-    ]
+    assert labels == ["serving decode B=1 ctx 64", "hf decode B=1 ctx 64", "llama decode B=1 ctx 64"]
     assert written["machine"]["copy_bandwidth_GBps"] > 1 and written["machine"]["gemm_GFLOPs"] > 1
     for r in written["results"]:
         assert set(r["times_s"]) == set(report.VARIANTS)
         assert all(t > 0 for t in r["times_s"].values())
         assert 0 < r["roofline_fraction"]["mla_inductor"] < 1.5
-        if r["case"]["phase"] == "decode":  # a few MB of weights against a few MFLOP
-            assert r["roofline_bound"] == "memory"
+        assert r["roofline_bound"] == "memory"  # a few MB of weights against a few MFLOP
         assert r["speedup"]["vs_stock_best"] > 0
         assert r["label"] in markdown
-    llama_decode = written["results"][4]["fusion_counts"]
+    llama_decode = written["results"][2]["fusion_counts"]
     assert llama_decode["gqa_qkv"] == llama_decode["gqa_decode"] == 2  # one per layer
     assert "| case |" in capsys.readouterr().out
 
