@@ -48,12 +48,14 @@ def every_form(q, k, v, visible):
     )
 
 
-def masked_fp64(q, k, v, mask, scale):
-    """An independent reference: fp64, the query heads of each key/value head against its rows; a
-    query that no row admits gets zeros."""
+def masked_fp64(q, k, v, mask, scale, softcap=0.0):
+    """An independent reference: fp64, the query heads of each key/value head against its rows (scores
+    capped as softcap * tanh(score / softcap) if softcap); a query that no row admits gets zeros."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(n_rep, 1), v.double().repeat_interleave(n_rep, 1)
     scores = q.double() @ k.transpose(-1, -2) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.double()
     admitted = scores.amax(-1, keepdim=True) > float("-inf")
@@ -336,17 +338,10 @@ def vllm_window_case(heads, kv_heads, seq_lens, dtype, head_dim=32, seed=42):
 def window_reference(q, k, v, seq_lens, window, window_block, softcap=0.0):
     """fp64: request b attends over rows [begin, len) with begin the window's first row rounded down to
     whole blocks (vLLM's block-granular window: only whole blocks before the window are dropped)."""
-    scale = q.shape[-1] ** -0.5
-    out = []
-    for b, length in enumerate(seq_lens):
-        begin = (length - window) // window_block * window_block if window and length > window else 0
-        kb, vb = (x[b : b + 1, :, begin:length].double() for x in (k, v))
-        n_rep = q.shape[1] // k.shape[1]
-        scores = q[b : b + 1].double() @ kb.repeat_interleave(n_rep, 1).transpose(-1, -2) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        out.append(scores.softmax(-1) @ vb.repeat_interleave(n_rep, 1))
-    return torch.cat(out)
+    rows = torch.arange(k.shape[2])
+    bounds = [((n - window) // window_block * window_block if window and n > window else 0, n) for n in seq_lens]
+    inside = torch.stack([(rows >= begin) & (rows < end) for begin, end in bounds])[:, None, None, :]
+    return masked_fp64(q, k, v, inside, q.shape[-1] ** -0.5, softcap)
 
 
 VLLM_TOLERANCE = {torch.float32: (1e-5, 1.3e-6), torch.bfloat16: (1e-3, 1.6e-2)}  # vLLM's default atol, rtol
@@ -371,6 +366,8 @@ def test_template_skips_the_rows_before_the_window_and_caps():
     seq_lens = [1234, VLLM_BLOCK - 1, VLLM_BLOCK + 1, VLLM_BLOCK]
     q, k, v, mask = vllm_window_case(64, 8, seq_lens, torch.bfloat16)
     q = q * 200  # scores of a few units
+    expected = window_reference(q, k, v, seq_lens, 17, VLLM_BLOCK, softcap=2.0)
+    assert (window_reference(q, k, v, seq_lens, 17, VLLM_BLOCK) - expected).abs().max() > 1e-2  # the cap bends
     for b, length in enumerate(seq_lens):
         begin = (length - 17) // VLLM_BLOCK * VLLM_BLOCK if length > 17 else 0
         k[b, :, :begin] = v[b, :, :begin] = float("nan")
@@ -379,8 +376,6 @@ def test_template_skips_the_rows_before_the_window_and_caps():
         q, k, v, mask, softcap=2.0, sliding_window=17, window_block=VLLM_BLOCK), backend="mla_inductor")
     out, (code,) = run_and_get_code(fn, q, k, v, mask)
     assert "mi::window_begin(ends[b], 17, 16)" in code and "constexpr float softcap = 2.0f" in code
-    expected = window_reference(q, k, v, seq_lens, 17, VLLM_BLOCK, softcap=2.0)
-    assert (window_reference(q, k, v, seq_lens, 17, VLLM_BLOCK) - expected).abs().max() > 1e-2  # the cap bends
     torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 

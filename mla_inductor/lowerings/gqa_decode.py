@@ -40,10 +40,10 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
             batched = len(mask.get_size()) == 4 and not V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
             strides["mask_stride_b"] = kernel.stride(mask, 0) if batched else 0
             strides["mask_origin"] = [0] * len(mask.get_size())
-        scale_strides, scale_origins = {}, {}
-        for name, t in (("k", self.inputs["K_SCALE"]), ("v", self.inputs["V_SCALE"])):
-            if t is not None:
-                scale_strides[name], scale_origins[name] = row_scale_strides(kernel, t, rows_dims=3)
+        # an fp8 cache's scales by the RequestRows member they fill: (input, strides, origin)
+        row_scales = {member: (t, *row_scale_strides(kernel, t, rows_dims=3))
+                      for member, t in (("key", self.inputs["K_SCALE"]), ("value", self.inputs["V_SCALE"]))
+                      if t is not None}
         return dict(
             **self.dims,
             **strides,
@@ -54,8 +54,7 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
             softcap=f"{float(self.softcap)!r}f",
             sliding_window=self.sliding_window,
             window_block=self.window_block,
-            scale_strides=scale_strides,
-            scale_origins=scale_origins,
+            row_scales=row_scales,
         )
 
 

@@ -34,13 +34,9 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
         q, kv, tables, seq_lens, w_vc, mask = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC", "MASK"))
         shared_mask = mask is not None and V.graph.sizevars.statically_known_equals(mask.get_size()[0], 1)
         kv_scale = self.inputs["KV_SCALE"]
-        scale_strides, scale_origin = (None, None), None
-        if kv_scale is not None:
-            scale_strides, scale_origin = row_scale_strides(kernel, kv_scale, rows_dims=2)
         return dict(
-            kv_scale_stride_block=scale_strides[0],
-            kv_scale_stride_row=scale_strides[1],
-            kv_scale_origin=scale_origin,
+            # the fp8 cache's scales: (strides per block and per row, origin)
+            kv_scale_layout=None if kv_scale is None else row_scale_strides(kernel, kv_scale, rows_dims=2),
             **self.dims,
             BLOCK_SIZE=kernel.size(kv, 1),
             BATCH=kernel.size(q, 0),

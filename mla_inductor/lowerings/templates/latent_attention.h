@@ -59,22 +59,30 @@ __attribute__((always_inline)) inline void dispatch_count(int n, F&& f) {
   f.template operator()<MAX>();
 }
 
-// Row pointers for rows [j0, j0 + n) of one request: row j lives at block table[j / bs], offset j % bs.
+// f(i, id, offset) for rows j0 + i, i < n, of one request: row j lives at offset j % bs of the block
+// whose id is table[j / bs]. One division per call, not per row (a 64-bit division costs tens of
+// cycles, the dot products of a grouped-query row a hundred or so).
+template <typename IndexT, typename F>
+__attribute__((always_inline)) inline void for_each_row(int64_t block_size, const IndexT* table, int64_t j0, int n,
+                                                        F&& f) {
+  if (n <= 0) return;  // j0 may be the end of the table
+  int64_t block = j0 / block_size, offset = j0 % block_size;
+  for (int i = 0; i < n; ++i) {
+    f(i, static_cast<int64_t>(table[block]), offset);
+    if (++offset == block_size) {
+      offset = 0;
+      ++block;
+    }
+  }
+}
+
+// Row pointers for rows [j0, j0 + n) of one request in a cache of rows row_stride apart.
 template <typename T, typename IndexT>
 inline void gather_rows(const T* cache, int64_t block_size, int64_t row_stride, const IndexT* table, int64_t j0,
                         int n, const T** rows) {
-  // One division per call, not per row (a 64-bit division costs tens of cycles, the dot products of a
-  // grouped-query row a hundred or so).
-  if (n <= 0) return;  // j0 may be the end of the table
-  int64_t block = j0 / block_size, offset = j0 % block_size;
-  const T* base = cache + static_cast<int64_t>(table[block]) * block_size * row_stride;
-  for (int i = 0; i < n; ++i) {
-    rows[i] = base + offset * row_stride;
-    if (++offset == block_size && i + 1 < n) {
-      offset = 0;
-      base = cache + static_cast<int64_t>(table[++block]) * block_size * row_stride;
-    }
-  }
+  for_each_row(block_size, table, j0, n, [&](int i, int64_t id, int64_t offset) {
+    rows[i] = cache + (id * block_size + offset) * row_stride;
+  });
 }
 
 // The rows of one score tile: key[n] holds K_n (or its first part, when the rope part lives in a
@@ -472,19 +480,13 @@ struct RequestRows {
   RowScales value_scale = {};
 };
 
-// out[i] = the scale of row j0 + i of a request, for i < n (one division per call, as gather_rows).
+// out[i] = the scale of row j0 + i of a request, for i < n.
 template <typename IndexT>
 inline void gather_scales(const RowScales& scales, int64_t block_size, const IndexT* table, int64_t j0, int n,
                           float* out) {
-  int64_t block = j0 / block_size, offset = j0 % block_size;
-  const float* base = scales.data + static_cast<int64_t>(table[block]) * scales.block_stride;
-  for (int i = 0; i < n; ++i) {
-    out[i] = base[offset * scales.row_stride];
-    if (++offset == block_size && i + 1 < n) {
-      offset = 0;
-      base = scales.data + static_cast<int64_t>(table[++block]) * scales.block_stride;
-    }
-  }
+  for_each_row(block_size, table, j0, n, [&](int i, int64_t id, int64_t offset) {
+    out[i] = scales.data[id * scales.block_stride + offset * scales.row_stride];
+  });
 }
 
 // x[h * kKvBlock + i] *= row_scale[i] for H heads and n rows: a key scale on the scores, a value

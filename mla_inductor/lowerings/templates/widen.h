@@ -44,28 +44,15 @@ constexpr float kWidenedScale = std::is_same_v<T, c10::Float8_e4m3fn> ? 1.f / 25
 // fp16 NaN instead (a quarter of the conversion's cost, kept: a NaN in the cache must not read as a
 // number). `high` holds the fp8 bytes as the high bytes of 16-bit lanes (x << 8): shifting it right
 // by one, arithmetically, puts the magnitude at bits 7..13 and copies the sign into bit 14, which the
-// mask clears.
-
-template <typename T>
-__attribute__((always_inline)) inline __m128i fp8_as_fp16(__m128i high) {
+// mask clears. One body serves 8 lanes (__v8hi) and 16 (__v16hi): GCC's vector extensions compile the
+// shift, masks and comparison (-1 where true) to the SSE or AVX2 instructions of the type.
+template <typename T, typename V>
+__attribute__((always_inline)) inline V fp8_as_fp16(V high) {
   if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
     return high;
   } else {
-    const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(int16_t(0xbfff)));
-    const __m128i nan = _mm_cmpeq_epi16(_mm_and_si128(half, _mm_set1_epi16(0x3f80)), _mm_set1_epi16(0x3f80));
-    return _mm_or_si128(half, nan);
-  }
-}
-
-template <typename T>
-__attribute__((always_inline)) inline __m256i fp8_as_fp16(__m256i high) {
-  if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
-    return high;
-  } else {
-    const __m256i half = _mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16(int16_t(0xbfff)));
-    const __m256i nan =
-        _mm256_cmpeq_epi16(_mm256_and_si256(half, _mm256_set1_epi16(0x3f80)), _mm256_set1_epi16(0x3f80));
-    return _mm256_or_si256(half, nan);
+    const V half = (high >> 1) & int16_t(0xbfff);
+    return half | ((half & 0x3f80) == 0x3f80);
   }
 }
 
@@ -74,14 +61,15 @@ __attribute__((always_inline)) inline __m256i fp8_as_fp16(__m256i high) {
 template <typename T>
 __attribute__((always_inline)) inline __m256 widen_fp8x8(const T* p) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtph_ps(fp8_as_fp16<T>(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes)));
+  return _mm256_cvtph_ps(__m128i(fp8_as_fp16<T>(__v8hi(_mm_unpacklo_epi8(_mm_setzero_si128(), bytes)))));
 }
 #endif
 
 // One whole vector of T widened to fp32 (times kWidenedScale<T>). bf16 is the high half of an fp32
-// (zero-extend, shift by 16), fp16 goes through F16C. ATen's Vectorized<BFloat16> holds twice the lanes of a Vectorized<float>, so
-// converting one of those would load a half vector through a zeroed stack buffer (a store and a reload
-// per vector, which bound the AVX2 dot products at one store a cycle); these are one load and one op.
+// (zero-extend, shift by 16), fp16 goes through F16C. ATen's Vectorized<BFloat16> holds twice the
+// lanes of a Vectorized<float>, so converting one of those would load a half vector through a zeroed
+// stack buffer (a store and a reload per vector, which bound the AVX2 dot products at one store a
+// cycle); these are one load and one op.
 template <typename T>
 inline at::vec::Vectorized<float> load_floats(const T* p) {
   using Vec = at::vec::Vectorized<float>;
@@ -95,7 +83,7 @@ inline at::vec::Vectorized<float> load_floats(const T* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   } else if constexpr (is_fp8<T>) {
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return _mm512_cvtph_ps(fp8_as_fp16<T>(_mm256_slli_epi16(bytes, 8)));
+    return _mm512_cvtph_ps(__m256i(fp8_as_fp16<T>(__v16hi(_mm256_slli_epi16(bytes, 8)))));
 #elif defined(CPU_CAPABILITY_AVX2)
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return widen_bf16x8(p);
