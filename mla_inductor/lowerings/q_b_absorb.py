@@ -10,7 +10,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, cpp_rope_style, realize_input
-from .segment_gemm import frozen_values, packed_constant
+from .segment_gemm import frozen_values, packed_constant, scaled_weight_options, scales_fit_tiles
 
 OP = torch.ops.mla.q_b_absorb.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -19,9 +19,10 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class QBAbsorbTemplate(FusedOpTemplate):
     template_file = "q_b_absorb.cpp.j2"
 
-    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, rope_style: str) -> None:
+    def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, rope_style: str, quantized) -> None:
         super().__init__("mla_q_b_absorb", inputs, layout)
         self.dims, self.rope_style = dims, rope_style
+        self.quantized = quantized  # weight_block_size and activation_quant of an int8 / fp8 q_b weight
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
@@ -31,6 +32,8 @@ class QBAbsorbTemplate(FusedOpTemplate):
         x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]
         packed = self.inputs["WP"] is not None  # then W_kc is packed too (WKC_P), and W_KC absent
         return dict(
+            q_b_scales=scaled_weight_options(kernel, self.quantized, wqb),
+            quantize_x=self.quantized is not None and self.quantized["activation_quant"] == "int8",
             M=kernel.size(x, 0),
             ldx=kernel.stride(x, 0),
             ldw=None if packed else kernel.stride(wqb, 0),
@@ -52,7 +55,8 @@ def _static_dims(q_a, q_b_weight, w_kc, cos) -> dict | None:
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
-def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style):
+def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style, q_b_weight_scale=None, weight_block_size=None,
+                     activation_quant="none"):
     dims = _static_dims(q_a, q_b_weight, w_kc, cos)
     if (
         dims is None
@@ -60,9 +64,14 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style):
         or q_a.get_device().type != "cpu"
         or q_a.get_dtype() not in SUPPORTED_DTYPES
         or cos.get_dtype() not in SUPPORTED_DTYPES
+        or not scales_fit_tiles(q_b_weight, weight_block_size)
     ):
-        return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, rope_style)
-    frozen = frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
+        return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, rope_style,
+                                                                 q_b_weight_scale, weight_block_size, activation_quant)
+    quantized = None
+    if q_b_weight_scale is not None:  # an int8 / fp8 q_b weight streams as it is; W_kc is not packed either
+        quantized = dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+    frozen = None if quantized else frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
     packed = packed_w_kc = None
     if frozen is not None:
         packed = packed_constant(frozen[0])
@@ -77,7 +86,8 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style):
         "WKC_P": packed_w_kc,
         "COS": realize_input(cos),
         "SIN": realize_input(sin),
+        "QBS": realize_input(q_b_weight_scale, True),
     }
     tokens = q_a.get_size()[0]
     layout = ir.FixedLayout(q_a.get_device(), q_a.get_dtype(), [tokens, dims["H"], dims["L"] + dims["ROPE"]])
-    return QBAbsorbTemplate(inputs, layout, dims, rope_style).select()
+    return QBAbsorbTemplate(inputs, layout, dims, rope_style, quantized).select()

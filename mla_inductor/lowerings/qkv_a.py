@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import sympy
 import torch
 from torch._inductor import ir
@@ -9,7 +11,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, cpp_rope_style, realize_input
-from .segment_gemm import packed_weights
+from .segment_gemm import packed_weights, scaled_weight_options, scales_fit_tiles
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -19,9 +21,10 @@ class QkvAProjTemplate(FusedOpTemplate):
     template_file = "qkv_a_proj.cpp.j2"
 
     def __init__(self, inputs: dict, layout: ir.Layout, nq: int, nkv: int, q_eps: float, kv_eps: float,
-                 k_rope_style: str) -> None:
+                 k_rope_style: str, quantized: Optional[dict]) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
         self.nq, self.nkv, self.k_rope_style = nq, nkv, k_rope_style
+        self.quantized = quantized  # weight_block_size and activation_quant of int8 / fp8 weights
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
     def headers(self) -> tuple[str, ...]:
@@ -34,6 +37,9 @@ class QkvAProjTemplate(FusedOpTemplate):
         packed = self.inputs["WP"] is not None
         x_size = x.get_size()
         return dict(
+            q_scales=scaled_weight_options(kernel, self.quantized, wq),
+            kv_scales=scaled_weight_options(kernel, self.quantized, wkv),
+            quantize_x=self.quantized is not None and self.quantized["activation_quant"] == "int8",
             M=" * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1",
             K=kernel.size(x, -1),
             NQ=self.nq,
@@ -51,28 +57,35 @@ class QkvAProjTemplate(FusedOpTemplate):
         )
 
 
-def _template_can_serve(x, weights, k_cos) -> bool:
+def _template_can_serve(x, weights, k_cos, weight_block_size) -> bool:
     if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
         return False
     if x.get_dtype() not in SUPPORTED_DTYPES or len(x.get_size()) not in (2, 3):
         return False
     if k_cos is not None and k_cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
-    return all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
+    if not all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size()):
+        return False
+    return all(scales_fit_tiles(w, weight_block_size) for w in weights)
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None,
                      kv_bias=None, q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None,
-                     k_rope_style="interleaved"):
+                     k_rope_style="interleaved", q_weight_scale=None, kv_weight_scale=None, weight_block_size=None,
+                     activation_quant="none"):
     args = (x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias, kv_bias, q_eps_tensor,
-            kv_eps_tensor, k_cos, k_sin, k_rope_style)
-    if not _template_can_serve(x, (q_weight, kv_weight), k_cos):
+            kv_eps_tensor, k_cos, k_sin, k_rope_style, q_weight_scale, kv_weight_scale, weight_block_size,
+            activation_quant)
+    if not _template_can_serve(x, (q_weight, kv_weight), k_cos, weight_block_size):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
     nq, nkv = (int(w.get_size()[0]) for w in (q_weight, kv_weight))
-    packed = packed_weights(x.get_dtype(), q_weight, kv_weight)
+    quantized = None
+    if q_weight_scale is not None:  # int8 / fp8 weights stream as they are: one byte an element
+        quantized = dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+    packed = None if quantized else packed_weights(x.get_dtype(), q_weight, kv_weight)
     inputs = {
         "X": x,
         "WQ": None if packed else realize_input(q_weight),
@@ -86,11 +99,13 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
         "KV_EPS": realize_input(kv_eps_tensor, True),
         "K_COS": realize_input(k_cos, True),
         "K_SIN": realize_input(k_sin, True),
+        "QS": realize_input(q_weight_scale, True),
+        "KVS": realize_input(kv_weight_scale, True),
     }
     lead = list(x.get_size()[:-1])
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [*lead, nq + nkv])
     # Consumers read q, c_kv and k_pe as views of the one output.
-    y = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps, k_rope_style).select()
+    y = QkvAProjTemplate(inputs, layout, nq, nkv, q_eps, kv_eps, k_rope_style, quantized).select()
     lkv = inputs["KVW"].get_size()[0]
     return (
         L.slice_(y, -1, 0, nq),

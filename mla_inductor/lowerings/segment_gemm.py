@@ -12,6 +12,7 @@ from torch._inductor import ir
 from torch._inductor.virtualized import V
 
 from .. import isa
+from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES
 from .template import frozen_value, huge_page_empty, realize_input
 
 VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX512-BF16
@@ -26,6 +27,34 @@ AVX2_COLS = 16  # and without
 MAX_ROWS_PACKED = 8
 MAX_ROWS_FROZEN = 4
 MAX_ROWS_UNFROZEN = 64
+
+
+# nt_dot.h's tiles: a tile's weight rows must share their K-block scales (kTileCols rows), and a K
+# block must hold whole vectors (16 fp32 lanes on AVX-512, 8 on AVX2).
+TILE_COLS = 4
+WIDEST_VECTOR = 16
+
+
+def scales_fit_tiles(weight, weight_block_size) -> bool:
+    """Whether nt_dot.h's quantized tiles serve a weight's scale blocks (ops/weight_quant.py); a weight
+    in the activation dtype always fits."""
+    if weight.get_dtype() not in QUANTIZED_WEIGHT_DTYPES or weight_block_size is None:
+        return True
+    block_n, block_k = weight_block_size
+    if block_k >= int(weight.get_size()[1]):  # one K block: scales multiply the finished sums
+        return True
+    return block_n % TILE_COLS == 0 and block_k % WIDEST_VECTOR == 0
+
+
+def scaled_weight_options(kernel, quantized: Optional[dict], weight) -> Optional[dict]:
+    """What a template needs to read a quantized weight with nt_dot.h's WeightScales: the C++ type and
+    the scale blocks (per channel: blocks of 1 x K). None for a weight in the activation dtype."""
+    if quantized is None:
+        return None
+    k = int(weight.get_size()[1])
+    block_n, block_k = quantized["weight_block_size"] or (1, k)
+    return dict(dtype=kernel.dtype(weight), block_n=block_n, block_k=min(block_k, k),
+                ld=-(-k // block_k))
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -12,6 +12,11 @@ With `k_cos` and `k_sin` ([..., R / 2] per row, x's leading dims) k_pe leaves ro
 mla::apply_rope's styles (`k_rope_style`; by default DeepSeek's interleaved pairs (k_pe[2i],
 k_pe[2i+1]): the cache row's rope part, as SGLang's `qkv_proj_with_rope` writes it).
 
+Quantized weights (ops/weight_quant.py): q_weight and kv_weight int8 or float8_e4m3fn alike, with
+`q_weight_scale` / `kv_weight_scale` per channel or per `weight_block_size` block, and
+`activation_quant="int8"` for SGLang's W8A8 (x quantized once per token, shared by both weights).
+The projections are then computed in fp32 on the dequantized weights and rounded once, after the norm.
+
 The eager implementation computes what the matched model code computes (GEMMs in the input dtype
 with fp32 accumulation, norms in fp32 with the weight and one rounding, as `F.rms_norm`; transformers'
 DeepseekV3RMSNorm rounds before the weight multiplies, which differs by at most one rounding), so a
@@ -28,6 +33,7 @@ from torch import Tensor
 
 from .checks import check_cpu_tensors
 from .rope import ROPE_STYLES, rotate_pairs
+from .weight_quant import check_quantized_weight, is_quantized, linear_fp32
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -37,14 +43,19 @@ def _fail(message: str) -> None:
 
 
 def check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps, kv_eps,
-               k_cos=None, k_sin=None, k_rope_style="interleaved") -> None:
+               k_cos=None, k_sin=None, k_rope_style="interleaved", q_weight_scale=None, kv_weight_scale=None,
+               weight_block_size=None, activation_quant="none") -> None:
     """Every precondition of the op, with a message naming the argument."""
     tensors = {"x": x, "q_weight": q_weight, "kv_weight": kv_weight, "kv_norm_weight": kv_norm_weight}
     tensors.update({k: v for k, v in (("q_norm_weight", q_norm_weight), ("q_bias", q_bias), ("kv_bias", kv_bias)) if v is not None})
     check_cpu_tensors(_fail, tensors)
     for name, t in tensors.items():
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and name not in ("q_weight", "kv_weight"):
             _fail(f"{name} has dtype {t.dtype}, expected x's dtype {x.dtype}")
+    for name, w, scale in (("q_weight", q_weight, q_weight_scale), ("kv_weight", kv_weight, kv_weight_scale)):
+        check_quantized_weight(_fail, name, w, f"{name}_scale", scale, weight_block_size, activation_quant, x.dtype)
+    if kv_weight.dtype != q_weight.dtype:
+        _fail(f"kv_weight has dtype {kv_weight.dtype}, expected q_weight's dtype {q_weight.dtype} (quantized alike)")
     if x.dtype not in SUPPORTED_DTYPES:
         _fail(f"x has dtype {x.dtype}; supported: bfloat16, float16, float32")
     if x.dim() < 1:
@@ -110,30 +121,41 @@ def qkv_a_proj(
     k_cos: Optional[Tensor] = None,
     k_sin: Optional[Tensor] = None,
     k_rope_style: str = "interleaved",
+    q_weight_scale: Optional[Tensor] = None,
+    kv_weight_scale: Optional[Tensor] = None,
+    weight_block_size: Optional[list[int]] = None,
+    activation_quant: str = "none",
 ) -> tuple[Tensor, Tensor, Tensor]:
     q_eps_value = q_eps_tensor if q_eps_tensor is not None else q_eps
     kv_eps_value = kv_eps_tensor if kv_eps_tensor is not None else kv_eps
     check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias, q_eps_value, kv_eps_value,
-               k_cos, k_sin, k_rope_style)
+               k_cos, k_sin, k_rope_style, q_weight_scale, kv_weight_scale, weight_block_size, activation_quant)
     L = kv_norm_weight.shape[0]
-    q = torch.nn.functional.linear(x, q_weight, q_bias)
-    kv = torch.nn.functional.linear(x, kv_weight, kv_bias)
+    if is_quantized(q_weight):
+        # fp32 projections, rounded once with the norms below
+        q, kv = (linear_fp32(x, w, scale, weight_block_size, activation_quant) + (0 if b is None else b.float())
+                 for w, scale, b in ((q_weight, q_weight_scale, q_bias), (kv_weight, kv_weight_scale, kv_bias)))
+    else:
+        q = torch.nn.functional.linear(x, q_weight, q_bias)
+        kv = torch.nn.functional.linear(x, kv_weight, kv_bias)
     if q_norm_weight is not None:
         q = _rms_norm(q, q_norm_weight, q_eps_value)
     c_kv = _rms_norm(kv[..., :L], kv_norm_weight, kv_eps_value)
     k_pe = kv[..., L:]
     if k_cos is not None:
         k_pe = rotate_pairs(k_pe, k_cos, k_sin, k_rope_style == "neox", k_rope_style == "interleaved_to_halves")
-    return q.contiguous(), c_kv.contiguous(), k_pe.contiguous()
+    return tuple(t.to(x.dtype).contiguous() for t in (q, c_kv, k_pe))
 
 
 @qkv_a_proj.register_fake
 def _(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_eps, kv_eps, q_bias=None, kv_bias=None,
-      q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None, k_rope_style="interleaved"):
+      q_eps_tensor=None, kv_eps_tensor=None, k_cos=None, k_sin=None, k_rope_style="interleaved", q_weight_scale=None,
+      kv_weight_scale=None, weight_block_size=None, activation_quant="none"):
     # Same checks while tracing: bad input fails at compile time with the same message.
     check_args(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_bias, kv_bias,
                q_eps_tensor if q_eps_tensor is not None else q_eps,
-               kv_eps_tensor if kv_eps_tensor is not None else kv_eps, k_cos, k_sin, k_rope_style)
+               kv_eps_tensor if kv_eps_tensor is not None else kv_eps, k_cos, k_sin, k_rope_style,
+               q_weight_scale, kv_weight_scale, weight_block_size, activation_quant)
     lead = x.shape[:-1]
     L = kv_norm_weight.shape[0]
     return (

@@ -194,6 +194,128 @@ inline void nt_task(int64_t task, const T* x, int64_t ldx, int64_t M, const T* w
   dot_panel<T>(x + m0 * ldx, ldx, mr, w + n0 * ldw, ldw, nr, K, out + m0 * ldo + n0, ldo);
 }
 
+// Quantized weights: int8 or fp8 e4m3fn (one byte an element) in nn.Linear's [N, K], with fp32 scales
+// per block of block_n weight rows by block_k columns: scale[(n / block_n) * ld + k / block_k].
+// Per-channel scales are blocks of 1 x K. At decode the weight stream is the cost, and these are
+// half a bf16 weight's bytes; each element is widened to fp32 in registers, never materialised.
+struct WeightScales {
+  const float* scale;
+  int64_t block_n, block_k, ld;
+};
+
+// One K block (block_k < K) holds several scales per weight row. Since the tiles' kTileCols rows lie
+// in one block of rows (block_n % kTileCols == 0, which the lowering requires) their scale is one
+// number per K block, and it multiplies the x vectors (MR multiplies per MR x NR FMAs) rather than
+// partial sums that would need a second set of accumulators. With one K block, the scale multiplies
+// the finished sums (per column, as per-channel scales need).
+template <typename TX, typename TW, int MR, int NR, bool K_BLOCKED>
+inline void dot_tile_scaled(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const float* k_scales,
+                            int64_t block_k, float* out, int64_t ldo) {
+  static_assert(sizeof(TW) == 1, "quantized weights are int8 or fp8");
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t V = Vec::size();
+  Vec acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = Vec(0.f);
+  for (int64_t k0 = 0; k0 < K; k0 += block_k) {
+    const int64_t k1 = std::min(K, k0 + block_k);
+    const Vec s(K_BLOCKED ? k_scales[k0 / block_k] : 1.f);
+    for (int64_t k = k0; k < k1; k += V) {
+      const int64_t count = std::min(V, k1 - k);  // V but in K's last vector (block_k % V == 0)
+      Vec xv[MR];
+      for (int m = 0; m < MR; ++m) {
+        xv[m] = load_floats(x + m * ldx + k, count);
+        if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
+      }
+      for (int n = 0; n < NR; ++n) {
+        if constexpr (MR <= kStreamRows) {  // one-byte elements: a cache line every 64
+          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
+        }
+        const Vec wv = load_floats(w + n * ldw + k, count);
+        for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n)
+      out[m * ldo + n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][n]);
+}
+
+template <typename TX, typename TW, int NR, bool K_BLOCKED>
+inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int64_t K,
+                             const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
+  for (int m0 = 0; m0 < mr; m0 += kTileRows) {
+    const TX* xb = x + m0 * ldx;
+    float* ob = out + m0 * ldo;
+    switch (std::min(kTileRows, mr - m0)) {
+      case 4: dot_tile_scaled<TX, TW, 4, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      case 3: dot_tile_scaled<TX, TW, 3, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      case 2: dot_tile_scaled<TX, TW, 2, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      default: dot_tile_scaled<TX, TW, 1, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo);
+    }
+  }
+}
+
+template <typename TX, typename TW, bool K_BLOCKED>
+inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int nr, int64_t K,
+                             const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
+  switch (nr) {
+    case 4: return dot_panel_scaled<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 3: return dot_panel_scaled<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 2: return dot_panel_scaled<TX, TW, 2, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    default: return dot_panel_scaled<TX, TW, 1, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+  }
+}
+
+// nt_task over a quantized weight: the same tasks (nt_tasks), each tile's sums scaled into out. x is
+// the activations, or for W8A8 their per-token int8 values held exactly in fp32 (quantize_row_int8),
+// whose scales `row_scales` then multiply each output row.
+template <typename TX, typename TW>
+inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* row_scales, int64_t M, const TW* w,
+                           int64_t ldw, int64_t N, int64_t K, const WeightScales& scales, float* out, int64_t ldo) {
+  const int64_t m_blocks = (M + kMaxPanelRows - 1) / kMaxPanelRows;
+  const int64_t n0 = task / m_blocks * kTileCols, m0 = task % m_blocks * kMaxPanelRows;
+  const int mr = static_cast<int>(std::min<int64_t>(kMaxPanelRows, M - m0));
+  const int nr = static_cast<int>(std::min<int64_t>(kTileCols, N - n0));
+  const TX* xt = x + m0 * ldx;
+  const TW* wt = w + n0 * ldw;
+  float* ot = out + m0 * ldo + n0;
+  const bool k_blocked = scales.block_k < K;
+  if (k_blocked) {
+    const float* k_scales = scales.scale + n0 / scales.block_n * scales.ld;
+    dot_panel_scaled<TX, TW, true>(xt, ldx, mr, wt, ldw, nr, K, k_scales, scales.block_k, ot, ldo);
+  } else {
+    dot_panel_scaled<TX, TW, false>(xt, ldx, mr, wt, ldw, nr, K, nullptr, K, ot, ldo);
+  }
+  for (int m = 0; m < mr; ++m) {
+    const float row = (row_scales ? row_scales[m0 + m] : 1.f) / kWidenedScale<TW>;  // undo the widening's factor
+    for (int n = 0; n < nr; ++n) {
+      const float column = k_blocked ? 1.f : scales.scale[(n0 + n) / scales.block_n * scales.ld];
+      ot[m * ldo + n] *= row * column;
+    }
+  }
+}
+
+// SGLang's per-token symmetric int8 quantization of a row (W8A8): q = round(x * 127 / absmax), half to
+// even, absmax = max(|x|, 1e-7); q kept as integers in fp32, which the quantized tiles multiply by the
+// int8 weights exactly. An fp32 lane sums up to 1040 such products (127 x 127 each) exactly, so with
+// K <= 1040 lanes-worth (8320 on AVX2, 16640 on AVX-512) only the final reduction across lanes rounds,
+// as the fp32 epilogue of an int32 GEMM does. Returns the row's scale, absmax / 127.
+template <typename T>
+inline float quantize_row_int8(const T* x, int64_t K, float* q) {
+  using Vec = at::vec::Vectorized<float>;
+  float absmax = 0.f;
+  for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::abs(static_cast<float>(x[k])));
+  absmax = std::max(absmax, 1e-7f);
+  const Vec inverse(127.f / absmax), limit(127.f);
+  for (int64_t k = 0; k < K; k += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), K - k);
+    const Vec v = (load_floats(x + k, count) * inverse).round();
+    at::vec::clamp(v, -limit, limit).store(q + k, count);
+  }
+  return absmax / 127.f;
+}
+
 // RMSNorm of one fp32 row into the output dtype, rounding once: y = x * rsqrt(mean(x^2) + eps) * weight.
 template <typename T>
 inline void rms_norm_row(const float* row, int64_t n, const T* weight, float eps, T* out) {

@@ -1,4 +1,5 @@
 // Shared by the templates: load up to one vector of T widened to fp32, and round fp32 back to T.
+// T is a float type, fp8 (KV caches, weights) or int8 (weights).
 #pragma once
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -84,6 +85,8 @@ inline at::vec::Vectorized<float> load_floats(const T* p) {
   } else if constexpr (is_fp8<T>) {
     const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm512_cvtph_ps(__m256i(fp8_as_fp16<T>(__v16hi(_mm256_slli_epi16(bytes, 8)))));
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 #elif defined(CPU_CAPABILITY_AVX2)
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return widen_bf16x8(p);
@@ -91,8 +94,10 @@ inline at::vec::Vectorized<float> load_floats(const T* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   } else if constexpr (is_fp8<T>) {
     return widen_fp8x8(p);
+  } else if constexpr (std::is_same_v<T, int8_t>) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 #endif
-  } else if constexpr (is_fp8<T>) {  // no vector conversion without F16C
+  } else if constexpr (sizeof(T) == 1) {  // fp8 without F16C, int8 without AVX2
     alignas(64) float values[Vec::size()];
     for (int i = 0; i < Vec::size(); ++i) values[i] = static_cast<float>(p[i]) * kWidenedScale<T>;
     return Vec::loadu(values);
@@ -108,7 +113,7 @@ inline at::vec::Vectorized<float> load_floats(const T* p, int64_t count) {
   if (count == Vec::size()) return load_floats(p);
   if constexpr (std::is_same_v<T, float>) {
     return Vec::loadu(p, count);
-  } else if constexpr (is_fp8<T>) {  // a whole vector's load from a zeroed copy: never past count
+  } else if constexpr (sizeof(T) == 1) {  // fp8, int8: a whole vector's load from a zeroed copy, never past count
     alignas(64) T values[Vec::size()] = {};
     std::copy(p, p + count, values);
     return load_floats(values);

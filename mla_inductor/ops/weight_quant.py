@@ -1,0 +1,115 @@
+"""Quantized projection weights, shared by the projection ops (qkv_a_proj, q_b_absorb): what a weight
+and its scale may be, the dequantization the references compute, and SGLang's per-token activation
+quantization.
+
+A quantized weight is int8 or float8_e4m3fn, [N, K] as nn.Linear holds it, with an fp32 scale:
+  - per output channel: scale [N] or [N, 1] (SGLang's W8A8 and torchao's int8 weights), weight_block_size None;
+  - per block of bN rows by bK columns: scale [ceil(N / bN), ceil(K / bK)] with weight_block_size [bN, bK]
+    (DeepSeek-V3's released fp8 format, SGLang's W8A16; the last blocks may be partial).
+The weight's value is weight.float() * scale of its block, as every anchor dequantizes it.
+
+activation_quant names what happens to the activations first:
+  - "none": they stay in their dtype (weight-only quantization, W8A16);
+  - "int8": SGLang's W8A8: each token symmetrically to int8 (scale max(|x|, 1e-7) / 127, round half
+    to even), and the GEMM's integer sum times both scales. Only with int8 weights.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .checks import check_cpu_tensors
+
+QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+ACTIVATION_QUANT = ("none", "int8")
+INT8_MAX = 127.0
+INT8_MIN_ABSMAX = 1e-7
+
+
+def is_quantized(weight: Tensor) -> bool:
+    return weight.dtype in QUANTIZED_WEIGHT_DTYPES
+
+
+def scale_grid(weight_shape: Sequence[int], block_size: Optional[Sequence[int]]) -> tuple[int, int]:
+    """The shape of a weight's scale: [N, 1] per channel, or the ceil-divided block grid."""
+    n, k = weight_shape
+    if block_size is None:
+        return n, 1
+    bn, bk = block_size
+    return -(-n // bn), -(-k // bk)
+
+
+def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tensor, scale_name: str,
+                           scale: Optional[Tensor], block_size: Optional[Sequence[int]],
+                           activation_quant: str, activation_dtype: torch.dtype) -> None:
+    """A weight is either in the activation dtype with no scale, or quantized with one (module doc)."""
+    if activation_quant not in ACTIVATION_QUANT:
+        fail(f"activation_quant must be one of {ACTIVATION_QUANT}, got {activation_quant!r}")
+    if not is_quantized(weight):
+        if scale is not None:
+            fail(f"{scale_name} dequantizes an int8 or float8_e4m3fn {name}; {name} is {weight.dtype}")
+        if weight.dtype != activation_dtype:
+            fail(f"{name} has dtype {weight.dtype}, expected the activations' dtype {activation_dtype} "
+                 f"(or int8 / float8_e4m3fn with {scale_name})")
+        if activation_quant != "none":
+            fail(f"activation_quant={activation_quant!r} needs an int8 {name}, got {weight.dtype}")
+        return
+    if scale is None:
+        fail(f"{name} is {weight.dtype}: it needs its fp32 {scale_name}")
+    check_cpu_tensors(fail, {scale_name: scale})
+    if scale.dtype != torch.float32:
+        fail(f"{scale_name} must be float32, got {scale.dtype}")
+    if activation_quant == "int8" and weight.dtype != torch.int8:
+        fail(f"activation_quant='int8' (W8A8) needs an int8 {name}, got {weight.dtype}")
+    if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        fail(f"quantized {name} needs bf16, fp16 or fp32 activations, got {activation_dtype}")
+    if weight.dim() != 2:
+        fail(f"{name} must be [N, K], got {list(weight.shape)}")
+    if block_size is not None:
+        if len(block_size) != 2 or any(not isinstance(b, int) or b <= 0 for b in block_size):
+            fail(f"weight_block_size must be two positive ints [block_n, block_k], got {list(block_size)}")
+        if activation_quant == "int8":
+            fail("W8A8 (activation_quant='int8') takes per-channel weight scales; weight_block_size must be None")
+    rows, cols = scale_grid(weight.shape, block_size)
+    per_channel_1d = block_size is None and tuple(scale.shape) == (rows,)
+    if tuple(scale.shape) != (rows, cols) and not per_channel_1d:
+        expected = f"[{rows}] or [{rows}, 1] (per channel)" if block_size is None else (
+            f"[{rows}, {cols}] (ceil({weight.shape[0]} / {block_size[0]}), ceil({weight.shape[1]} / {block_size[1]}))")
+        fail(f"{scale_name} must be {expected} for {name} {list(weight.shape)}, got {list(scale.shape)}")
+
+
+def dequantize_weight(weight: Tensor, scale: Optional[Tensor], block_size: Optional[Sequence[int]],
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+    """weight.float() * the scale of each element's block, in `dtype` (no rounding before that)."""
+    if scale is None:
+        return weight.to(dtype)
+    n, k = weight.shape
+    if block_size is None:
+        return weight.to(dtype) * scale.reshape(n, 1).to(dtype)
+    bn, bk = block_size
+    expanded = scale.to(dtype).repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return weight.to(dtype) * expanded
+
+
+def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """SGLang's per-token symmetric int8 quantization in fp32: (q, scale) with x ~ q * scale,
+    q = round(x * 127 / absmax) half to even, scale = absmax / 127 per row ([..., 1]); absmax is
+    max(|x|) and at least 1e-7, so that a zero row quantizes to zeros."""
+    xf = x.float()
+    absmax = xf.abs().amax(-1, keepdim=True).clamp_min(INT8_MIN_ABSMAX)
+    q = torch.round(xf * (INT8_MAX / absmax)).clamp(-INT8_MAX, INT8_MAX)
+    return q.to(torch.int8), absmax / INT8_MAX
+
+
+def linear_fp32(x: Tensor, weight: Tensor, scale: Optional[Tensor], block_size: Optional[Sequence[int]],
+                activation_quant: str = "none") -> Tensor:
+    """x @ dequantized(weight).T in fp32, after SGLang's per-token quantization of x for W8A8: the
+    projection every quantized anchor computes, before its output's one rounding."""
+    w = dequantize_weight(weight, scale, block_size)
+    if activation_quant == "int8":
+        q, x_scale = quantize_rows_int8(x)
+        return (q.float() @ w.T) * x_scale
+    return x.float() @ w.T
