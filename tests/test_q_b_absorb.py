@@ -16,6 +16,7 @@ from mla_inductor.lowerings.segment_gemm import can_pack
 from mla_inductor.ops.q_b_absorb import reference_fp64
 
 from graph_utils import rewritten, serving_model_decode
+from quant_utils import dequantize_fp64, quantize_fp8_blocks, quantize_int8_per_row, quantize_rows_int8_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.q_b_absorb
@@ -115,6 +116,56 @@ class DirectCall(nn.Module):
 
     def forward(self, q_a, cos, sin):
         return op(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
+
+
+# SGLang's W8A8 (q_a quantized per token, per-channel int8 q_b) and fp8 blocks of [8, 16] over
+# q_lora_rank 40 (a partial K block) and 3 heads x (18 + 8) = 78 rows (a partial row block).
+QUANTIZED_CASES = [("int8", "int8", None), ("fp8", "none", [8, 16])]
+
+
+def quantized_args(case, tokens, seed=0):
+    fmt, activation_quant, block = case
+    args = make_args(tokens, torch.bfloat16, seed=seed, nope=18, q_lora_rank=40)
+    weight = args["q_b_weight"]
+    args["q_b_weight"], scale = quantize_int8_per_row(weight) if fmt == "int8" else quantize_fp8_blocks(weight, block)
+    return dict(args, q_b_weight_scale=scale, weight_block_size=block, activation_quant=activation_quant)
+
+
+def assert_matches_quantized_fp64(out, args):
+    q_a = quantize_rows_int8_fp64(args["q_a"]) if args["activation_quant"] == "int8" else args["q_a"]
+    weight = dequantize_fp64(args["q_b_weight"], args["q_b_weight_scale"], args["weight_block_size"])
+    reference = reference_fp64(q_a, weight, args["w_kc"], args["cos"], args["sin"], "interleaved")
+    assert out.dtype == torch.bfloat16 and out.shape == reference.shape
+    torch.testing.assert_close(out.double(), reference, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES, ids=str)
+def test_quantized_op_matches_fp64_reference(case):
+    args = quantized_args(case, 5)
+    assert_matches_quantized_fp64(op(**args, rope_style="interleaved"), args)
+
+
+def test_quantized_templates_in_one_compile():
+    keys = ("q_a", "q_b_weight", "w_kc", "cos", "sin", "q_b_weight_scale")
+
+    def fn(*flat):
+        return [op(*flat[i * len(keys):(i + 1) * len(keys) - 1], "interleaved", q_b_weight_scale=flat[(i + 1) * len(keys) - 1],
+                   weight_block_size=case[2], activation_quant=case[1]) for i, case in enumerate(QUANTIZED_CASES)]
+
+    compiled = torch.compile(fn)
+    for tokens in (1, 3, 17):
+        all_args = [quantized_args(case, tokens, seed=tokens) for case in QUANTIZED_CASES]
+        for args in all_args:
+            for name in ("q_a", "cos", "sin"):
+                torch._dynamo.maybe_mark_dynamic(args[name], 0)
+        flat = [args[k] for args in all_args for k in keys]
+        if tokens == 1:
+            outputs, (code,) = run_and_get_code(compiled, *flat)
+            assert code.count("mi::nt_task_scaled(") == len(QUANTIZED_CASES) and "torch.ops.mla" not in code
+        else:
+            outputs = compiled(*flat)
+        for args, out in zip(all_args, outputs):
+            assert_matches_quantized_fp64(out, args)
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")

@@ -20,6 +20,7 @@ from mla_inductor.ops.qkv_a import reference_fp64
 from mla_inductor.ops.rope import rotate_pairs
 
 from graph_utils import rewritten, serving_model_decode
+from quant_utils import dequantize_fp64, quantize_fp8_blocks, quantize_int8_per_row, quantize_rows_int8_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.qkv_a_proj
@@ -190,6 +191,103 @@ def test_k_cos_and_k_sin_come_together_in_the_rows_shape():
         op(**args, k_cos=torch.zeros(5, 4), k_sin=torch.zeros(4, 4))
     with pytest.raises(ValueError, match="k_sin has dtype torch.float64, expected k_cos's dtype torch.float32"):
         op(**args, k_cos=torch.zeros(5, 4), k_sin=torch.zeros(5, 4, dtype=torch.float64))
+
+
+# --- quantized weights -------------------------------------------------------------------------------
+
+# (weight format, activation_quant, weight_block_size, x dtype): SGLang's W8A8 (1-D per-channel scales),
+# torchao's int8 weight-only ([N, 1] scales) under fp16 activations, fp8 blocks that split K into
+# 32-wide blocks (hidden 100: a partial last K block and a K tail) and the rows into partial blocks
+# of 8, and fp8 with one K block (scales per 4 rows, applied to the sums).
+QUANTIZED_CASES = [
+    ("int8", "int8", None, torch.bfloat16),
+    ("int8", "none", None, torch.float16),
+    ("fp8", "none", [8, 32], torch.bfloat16),
+    ("fp8", "none", [4, 128], torch.bfloat16),
+]
+
+
+def quantized_args(case, rows, seed=0, hidden=100, nq=10, lora=12, rope=6, bias=False):
+    fmt, activation_quant, block, dtype = case
+    args = make_args(rows, dtype, hidden=hidden, nq=nq, lora=lora, rope=rope, bias=bias, seed=seed)
+    for name in ("q", "kv"):
+        w = args[f"{name}_weight"]
+        weight, scale = quantize_int8_per_row(w) if fmt == "int8" else quantize_fp8_blocks(w, block)
+        args[f"{name}_weight"] = weight
+        args[f"{name}_weight_scale"] = scale.view(-1) if activation_quant == "int8" else scale
+    return dict(args, weight_block_size=block, activation_quant=activation_quant)
+
+
+def quantized_reference_fp64(args):
+    """fp64 math on the dequantized weights (and, for W8A8, the quantized-dequantized activations)."""
+    block = args["weight_block_size"]
+    x = quantize_rows_int8_fp64(args["x"]) if args["activation_quant"] == "int8" else args["x"]
+    plain = {k: v for k, v in args.items() if k in (
+        "q_norm_weight", "kv_norm_weight", "q_eps", "kv_eps", "q_bias", "kv_bias")}
+    return reference_fp64(x, dequantize_fp64(args["q_weight"], args["q_weight_scale"], block),
+                          dequantize_fp64(args["kv_weight"], args["kv_weight_scale"], block), **plain)
+
+
+def assert_close_to_quantized_reference(outputs, args):
+    tol = TOLERANCE[args["x"].dtype]
+    for name, out, ref in zip(("q", "c_kv", "k_pe"), outputs, quantized_reference_fp64(args)):
+        assert out.dtype == args["x"].dtype and out.shape == ref.shape, name
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("case", QUANTIZED_CASES, ids=str)
+def test_quantized_op_matches_fp64_reference(case):
+    args = quantized_args(case, 5, bias=True)
+    assert_close_to_quantized_reference(op(**args), args)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(q_weight_scale=None), "q_weight is torch.int8: it needs its fp32 q_weight_scale"),
+        (dict(kv_weight_scale=torch.ones(17)), r"kv_weight_scale must be \[18\] or \[18, 1\]"),
+        (dict(weight_block_size=[8, 32]), "W8A8 .* takes per-channel weight scales"),
+        (dict(activation_quant="int4"), "activation_quant must be one of"),
+        (dict(kv_weight=torch.zeros(18, 100, dtype=torch.float8_e4m3fn)), "W8A8.* needs an int8 kv_weight"),
+        (dict(kv_weight=torch.zeros(18, 100, dtype=torch.float8_e4m3fn), activation_quant="none"), "quantized alike"),
+    ],
+)
+def test_quantized_op_rejects_bad_input_naming_the_argument(change, message):
+    args = dict(quantized_args(QUANTIZED_CASES[0], 2), **change)
+    with pytest.raises(ValueError, match=message):
+        op(**args)
+
+
+def test_quantized_templates_in_one_compile():
+    """One graph holds every case of QUANTIZED_CASES and one the tiles cannot serve (fp8 blocks of 3
+    rows with several K blocks: a tile of 4 rows would straddle two blocks' scales), which must fall
+    back to the eager op; dynamic rows cover 1, a partial panel and several panels (17)."""
+    cases = QUANTIZED_CASES + [("fp8", "none", [3, 32], torch.bfloat16)]
+    keys = ("x", "q_weight", "kv_weight", "q_norm_weight", "kv_norm_weight", "q_weight_scale", "kv_weight_scale")
+
+    def fn(*flat):
+        outputs = []
+        for i, case in enumerate(cases):
+            x, qw, kvw, qn, kvn, qs, kvs = flat[i * len(keys):(i + 1) * len(keys)]
+            outputs.append(op(x, qw, kvw, qn, kvn, 1e-6, 1e-5, q_weight_scale=qs, kv_weight_scale=kvs,
+                              weight_block_size=case[2], activation_quant=case[1]))
+        return outputs
+
+    compiled = torch.compile(fn)
+    for rows in (1, 3, 17):
+        all_args = [quantized_args(case, rows, seed=rows) for case in cases]
+        flat = [args[k] for args in all_args for k in keys]
+        for args in all_args:
+            torch._dynamo.maybe_mark_dynamic(args["x"], 0)
+        if rows == 1:
+            outputs, (code,) = run_and_get_code(compiled, *flat)
+            assert code.count("mi::nt_task_scaled(") == 2 * len(QUANTIZED_CASES), "two calls per template"
+            assert "mi::quantize_row_int8(" in code, "W8A8 quantizes x in the template"
+            assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
+        else:
+            outputs = compiled(*flat)
+        for args, out in zip(all_args, outputs):
+            assert_close_to_quantized_reference(out, args)
 
 
 class DirectCall(nn.Module):

@@ -10,6 +10,8 @@ from mla_inductor.models import get_config
 from mla_inductor.models.mla import cos_sin_cache
 from mla_inductor.ops.qkv_proj_with_rope import reference_per_stage
 
+from quant_utils import quantize_fp8_blocks, quantize_int8_per_row
+
 op = torch.ops.mla.qkv_proj_with_rope
 fused_op = torch.ops.mla.qkv_proj_with_rope_fused_weight
 HIDDEN, Q_LORA, LATENT, ROPE, NOPE, HEADS = 7168, 1536, 512, 64, 128, 22
@@ -100,23 +102,6 @@ def test_compiled_runs_the_templates_and_matches_the_reference():
     assert_matches_per_stage_reference(call(fn, 8, seed=8), 8, seed=8)  # recompiles: Dynamo specializes a size of 1
 
 
-def quantize_int8_per_row(w):
-    """SGLang's test: symmetric per output channel, absmax / 127."""
-    scale = w.float().abs().amax(1, keepdim=True).clamp_min(1e-7) / 127
-    return torch.round(w.float() / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def quantize_fp8_blocks(w, block=(128, 128)):
-    """SGLang's test (`convert_weight`): e4m3 per 128 x 128 block, scale absmax / 448."""
-    n, k = w.shape
-    bn, bk = block
-    padded = torch.nn.functional.pad(w.float(), (0, -k % bk, 0, -n % bn))
-    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
-    scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / 448
-    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 @functools.cache
 def quantized_weights(kind):
     """The tp22 weights as SGLang's test quantizes them for use_int8_w8a8 / use_fp8_w8a16."""
@@ -162,6 +147,21 @@ def assert_matches_quantized_reference(outputs, kind, tokens, seed=0):
 @pytest.mark.parametrize("tokens", [1, 8])
 def test_quantized_eager_matches_sglang_reference(kind, tokens):
     assert_matches_quantized_reference(call_quantized(op, kind, tokens, seed=tokens), kind, tokens, seed=tokens)
+
+
+def test_quantized_compiled_runs_the_templates_and_matches_the_reference():
+    """One compile for both: W8A8 at one token and fp8 W8A16 at five, at the tp22 shape."""
+    calls = []
+    for kind, tokens in (("int8", 1), ("fp8", 5)):
+        recorded = {}
+        call_quantized(lambda *args, **kwargs: recorded.update(args=args, kwargs=kwargs), kind, tokens, seed=tokens)
+        calls.append(recorded)
+    compiled = torch.compile(lambda: [op(*c["args"], **c["kwargs"]) for c in calls])
+    (int8_outputs, fp8_outputs), (code,) = run_and_get_code(compiled)
+    assert code.count("mi::nt_task_scaled(") == 6, "q_a and kv_a, then q_b, per chain"
+    assert "torch.ops.mla" not in code, "no fallback to an eager op"
+    assert_matches_quantized_reference(int8_outputs, "int8", 1, seed=1)
+    assert_matches_quantized_reference(fp8_outputs, "fp8", 5, seed=5)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

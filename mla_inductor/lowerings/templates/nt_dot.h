@@ -217,24 +217,27 @@ inline void dot_tile_scaled(const TX* x, int64_t ldx, const TW* w, int64_t ldw, 
   Vec acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = Vec(0.f);
+  // fmadd_step: acc += (x[:, k : k + count] * s) . w[:, k : k + count]^T, one vector deep
+  auto fmadd_step = [&](int64_t k, int64_t count, const Vec& s) __attribute__((always_inline)) {
+    Vec xv[MR];
+    for (int m = 0; m < MR; ++m) {
+      xv[m] = count == V ? load_floats(x + m * ldx + k) : load_floats(x + m * ldx + k, count);
+      if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
+    }
+    for (int n = 0; n < NR; ++n) {
+      if constexpr (MR <= kStreamRows) {  // one-byte elements: a cache line every 64
+        if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
+      }
+      const Vec wv = count == V ? load_floats(w + n * ldw + k) : load_floats(w + n * ldw + k, count);
+      for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
+    }
+  };
   for (int64_t k0 = 0; k0 < K; k0 += block_k) {
     const int64_t k1 = std::min(K, k0 + block_k);
     const Vec s(K_BLOCKED ? k_scales[k0 / block_k] : 1.f);
-    for (int64_t k = k0; k < k1; k += V) {
-      const int64_t count = std::min(V, k1 - k);  // V but in K's last vector (block_k % V == 0)
-      Vec xv[MR];
-      for (int m = 0; m < MR; ++m) {
-        xv[m] = load_floats(x + m * ldx + k, count);
-        if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
-      }
-      for (int n = 0; n < NR; ++n) {
-        if constexpr (MR <= kStreamRows) {  // one-byte elements: a cache line every 64
-          if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
-        }
-        const Vec wv = load_floats(w + n * ldw + k, count);
-        for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
-      }
-    }
+    int64_t k = k0;
+    for (; k + V <= k1; k += V) fmadd_step(k, V, s);
+    if (k < k1) fmadd_step(k, k1 - k, s);  // K's last, partial vector (block_k % V == 0)
   }
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n)

@@ -1,0 +1,143 @@
+"""qkv_a_proj with quantized weights at the deepseek-v3-tp22 shape (hidden 7168 -> 1536 + 576), in a
+stack of layers whose weights exceed the L3, against our bf16 template and stock Inductor on the same
+quantized weights.
+
+Formats (ops/weight_quant.py): bf16; int8 weight-only with per-channel scales (torchao's
+Int8WeightOnlyConfig); SGLang's W8A8 (int8 weights, activations quantized per token); fp8 e4m3 with
+128 x 128 block scales (DeepSeek-V3's checkpoints, SGLang's W8A16).
+
+"mla" calls mla::qkv_a_proj with the weights as they are; "stock" compiles the same math spelled as
+plain PyTorch, the way each format reaches Inductor (torchao's dequantize-and-mm for int8, a per-token
+quantize and torch._int_mm for W8A8, the block dequantization for fp8), with and without freezing
+("stock best" is the faster). All variants of a row count, and a large copy, run in the same
+interleaved rounds. Asserts nothing.
+
+    python benchmarks/quantized_projections.py [--rows 1 8] [--layers 6]
+"""
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_inductor import benchmarking
+from mla_inductor.ops.weight_quant import quantize_rows_int8
+
+HIDDEN, Q_ROWS, KV_ROWS, LATENT = 7168, 1536, 576, 512
+BLOCK = [128, 128]
+FORMATS = ("bf16", "int8", "w8a8", "fp8")
+
+
+def quantize(w: torch.Tensor, fmt: str):
+    """(weight, scale) of a bf16 [N, K] weight in `fmt`: per-channel absmax / 127 for int8, per
+    128 x 128 block absmax / 448 for fp8."""
+    if fmt == "bf16":
+        return w, None
+    if fmt in ("int8", "w8a8"):
+        scale = w.float().abs().amax(1, keepdim=True) / 127
+        return torch.round(w.float() / scale).to(torch.int8), scale
+    n, k = w.shape
+    blocks = F.pad(w.float(), (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
+    scale = blocks.abs().amax((1, 3)) / 448
+    q = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def dequantized(w, scale, fmt):
+    """The plain-PyTorch dequantization each format's users spell (bf16 result)."""
+    if fmt == "int8":  # torchao's Int8Tensor: the int8 weight converted, its scale applied to the mm's output
+        return w.to(torch.bfloat16)
+    n, k = w.shape
+    expanded = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return (w.float() * expanded).to(torch.bfloat16)
+
+
+class Layer(nn.Module):
+    def __init__(self, fmt: str, fused_op: bool, generator: torch.Generator):
+        super().__init__()
+        self.fmt, self.fused_op = fmt, fused_op
+        for name, rows in (("q", Q_ROWS), ("kv", KV_ROWS)):
+            w = (torch.randn(rows, HIDDEN, generator=generator) / HIDDEN**0.5).to(torch.bfloat16)
+            weight, scale = quantize(w, fmt)
+            self.register_buffer(f"{name}_weight", weight)
+            self.register_buffer(f"{name}_scale", scale)
+        self.q_norm = nn.Parameter(torch.ones(Q_ROWS, dtype=torch.bfloat16))
+        self.kv_norm = nn.Parameter(torch.ones(LATENT, dtype=torch.bfloat16))
+
+    def project(self, x, w, scale):
+        if self.fmt == "bf16":
+            return F.linear(x, w)
+        if self.fmt == "int8":
+            return torch.mm(x, w.t().to(torch.bfloat16)) * scale.to(torch.bfloat16).view(-1)
+        if self.fmt == "w8a8":
+            q, x_scale = quantize_rows_int8(x)
+            return (torch._int_mm(q, w.t()).float() * x_scale * scale.view(-1)).to(torch.bfloat16)
+        return F.linear(x, dequantized(w, scale, self.fmt))
+
+    def forward(self, x):
+        if self.fused_op:
+            quant = {} if self.fmt == "bf16" else dict(
+                q_weight_scale=self.q_scale, kv_weight_scale=self.kv_scale,
+                weight_block_size=BLOCK if self.fmt == "fp8" else None,
+                activation_quant="int8" if self.fmt == "w8a8" else "none")
+            return torch.ops.mla.qkv_a_proj(x, self.q_weight, self.kv_weight, self.q_norm, self.kv_norm, 1e-6, 1e-6,
+                                            **quant)
+        q = F.rms_norm(self.project(x, self.q_weight, self.q_scale), (Q_ROWS,), self.q_norm, 1e-6)
+        kv = self.project(x, self.kv_weight, self.kv_scale)
+        return q, F.rms_norm(kv[:, :LATENT], (LATENT,), self.kv_norm, 1e-6), kv[:, LATENT:]
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: int, fmt: str, fused_op: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.layers = nn.ModuleList(Layer(fmt, fused_op, g) for _ in range(layers))
+
+    def forward(self, x):
+        return [layer(x) for layer in self.layers]
+
+
+def main():
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 6, "6 x 15 MiB of int8 / fp8 weights")
+    p.set_defaults(rows=[1, 8])
+    args = p.parse_args()
+    benchmarking.fresh_compiles()
+    frozen = benchmarking.frozen_options()
+    models = {(fmt, fused): Stack(args.layers, fmt, fused).eval() for fmt in FORMATS for fused in (False, True)}
+    weight_bytes = {fmt: sum(b.numel() * b.element_size() for n, b in models[fmt, True].named_buffers()
+                             if n.endswith("weight")) for fmt in FORMATS}
+    copy, copy_bytes = benchmarking.copy_probe()
+    print(f"{benchmarking.machine_line()}; weights per format: "
+          + ", ".join(f"{fmt} {weight_bytes[fmt] / 2**20:.0f} MiB" for fmt in FORMATS))
+    print("| rows | format | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best | x mla bf16 "
+          "| weights GB/s | % of copy bw |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for rows in args.rows:
+        x = torch.randn(rows, HIDDEN).to(torch.bfloat16)
+        fns = {}
+        for (fmt, fused), model in models.items():
+            for freeze in (False, True):
+                compiled = torch.compile(model, dynamic=False, options=frozen if freeze else None)
+                with torch.no_grad(), (benchmarking.inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
+                                       else contextlib.nullcontext()):
+                    compiled(x)
+                fns[fmt, fused, freeze] = lambda compiled=compiled: compiled(x)
+        fns["copy"] = copy
+        with torch.no_grad():
+            t = benchmarking.interleaved_medians(fns, rounds=args.rounds, calls=5)
+        copy_bw = copy_bytes / t["copy"]
+        mla_bf16 = min(t["bf16", True, False], t["bf16", True, True])
+        for fmt in FORMATS:
+            stock = min(t[fmt, False, False], t[fmt, False, True])
+            mla = min(t[fmt, True, False], t[fmt, True, True])
+            cells = [t[fmt, fused, freeze] * 1e3 for fused in (False, True) for freeze in (False, True)]
+            print(f"| {rows} | {fmt} | " + " | ".join(f"{c:.2f}" for c in cells)
+                  + f" | {stock / mla:.2f} | {mla_bf16 / mla:.2f} | {weight_bytes[fmt] / mla / 1e9:.1f}"
+                  f" | {weight_bytes[fmt] / mla / copy_bw:.0%} |", flush=True)
+        print(f"copy in the rounds: {copy_bw / 1e9:.1f} GB/s")
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
