@@ -153,13 +153,13 @@ def test_quantized_templates_in_one_compile():
                    weight_block_size=case[2], activation_quant=case[1]) for i, case in enumerate(QUANTIZED_CASES)]
 
     compiled = torch.compile(fn)
-    for tokens in (1, 3, 17):
+    for tokens in (3, 17):  # one compile (dynamic tokens); 17 ends on a one-row tile, the decode tile
         all_args = [quantized_args(case, tokens, seed=tokens) for case in QUANTIZED_CASES]
         for args in all_args:
             for name in ("q_a", "cos", "sin"):
                 torch._dynamo.maybe_mark_dynamic(args[name], 0)
         flat = [args[k] for args in all_args for k in keys]
-        if tokens == 1:
+        if tokens == 3:
             outputs, (code,) = run_and_get_code(compiled, *flat)
             assert code.count("mi::nt_task_scaled(") == len(QUANTIZED_CASES) and "torch.ops.mla" not in code
         else:

@@ -76,7 +76,8 @@ def _quantization(use_int8_w8a8, use_fp8_w8a16, is_vnni, block_size, weights: di
     """(activation_quant, weight_block_size) of the op's weights, checking them against SGLang's flags."""
     if is_vnni:
         _fail("is_vnni=True: SGLang's convert_weight_packed layout is not taken; pass the weights as nn.Linear "
-              "holds them ([N, K], is_vnni=False), and the compiled templates pack them under freezing")
+              "holds them ([N, K], is_vnni=False); the compiled templates read them so (and pack bf16 ones under "
+              "freezing)")
     if use_int8_w8a8 and use_fp8_w8a16:
         _fail("use_int8_w8a8 and use_fp8_w8a16 exclude each other")
     dtype = torch.int8 if use_int8_w8a8 else torch.float8_e4m3fn if use_fp8_w8a16 else None

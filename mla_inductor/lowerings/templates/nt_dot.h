@@ -203,8 +203,8 @@ struct WeightScales {
   int64_t block_n, block_k, ld;
 };
 
-// One K block (block_k < K) holds several scales per weight row. Since the tiles' kTileCols rows lie
-// in one block of rows (block_n % kTileCols == 0, which the lowering requires) their scale is one
+// With several K blocks (block_k < K) a weight row has a scale per K block. A tile's kTileCols rows lie
+// in one block of rows (block_n % kTileCols == 0, which the lowering requires), so their scale is one
 // number per K block, and it multiplies the x vectors (MR multiplies per MR x NR FMAs) rather than
 // partial sums that would need a second set of accumulators. With one K block, the scale multiplies
 // the finished sums (per column, as per-channel scales need).
@@ -301,9 +301,9 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
 
 // SGLang's per-token symmetric int8 quantization of a row (W8A8): q = round(x * 127 / absmax), half to
 // even, absmax = max(|x|, 1e-7); q kept as integers in fp32, which the quantized tiles multiply by the
-// int8 weights exactly. An fp32 lane sums up to 1040 such products (127 x 127 each) exactly, so with
-// K <= 1040 lanes-worth (8320 on AVX2, 16640 on AVX-512) only the final reduction across lanes rounds,
-// as the fp32 epilogue of an int32 GEMM does. Returns the row's scale, absmax / 127.
+// int8 weights exactly. Each fp32 lane sums K / lanes products of at most 127 x 127, exactly while
+// there are at most 1040 of them (K <= 8320 on AVX2, 16640 on AVX-512): then only the reduction across
+// lanes rounds, as the fp32 epilogue of an int32 GEMM does. Returns the row's scale, absmax / 127.
 template <typename T>
 inline float quantize_row_int8(const T* x, int64_t K, float* q) {
   using Vec = at::vec::Vectorized<float>;
