@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_inductor import benchmarking
-from mla_inductor.ops.weight_quant import quantize_rows_int8
+from mla_inductor.ops.weight_quant import (dequantize_weight, quantize_rows_int8, quantize_weight_fp8_blocks,
+                                           quantize_weight_int8)
 
 HIDDEN, Q_ROWS, KV_ROWS, LATENT = 7168, 1536, 576, 512
 BLOCK = [128, 128]
@@ -34,23 +35,7 @@ def quantize(w: torch.Tensor, fmt: str):
     128 x 128 block absmax / 448 for fp8."""
     if fmt == "bf16":
         return w, None
-    if fmt in ("int8", "w8a8"):
-        scale = w.float().abs().amax(1, keepdim=True) / 127
-        return torch.round(w.float() / scale).to(torch.int8), scale
-    n, k = w.shape
-    blocks = F.pad(w.float(), (0, -k % 128, 0, -n % 128)).unflatten(0, (-1, 128)).unflatten(2, (-1, 128))
-    scale = blocks.abs().amax((1, 3)) / 448
-    q = (blocks / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:n, :k]
-    return q.to(torch.float8_e4m3fn), scale
-
-
-def dequantized(w, scale, fmt):
-    """The plain-PyTorch dequantization each format's users spell (bf16 result)."""
-    if fmt == "int8":  # torchao's Int8Tensor: the int8 weight converted, its scale applied to the mm's output
-        return w.to(torch.bfloat16)
-    n, k = w.shape
-    expanded = scale.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
-    return (w.float() * expanded).to(torch.bfloat16)
+    return quantize_weight_int8(w) if fmt in ("int8", "w8a8") else quantize_weight_fp8_blocks(w, BLOCK)
 
 
 class Layer(nn.Module):
@@ -73,7 +58,7 @@ class Layer(nn.Module):
         if self.fmt == "w8a8":
             q, x_scale = quantize_rows_int8(x)
             return (torch._int_mm(q, w.t()).float() * x_scale * scale.view(-1)).to(torch.bfloat16)
-        return F.linear(x, dequantized(w, scale, self.fmt))
+        return F.linear(x, dequantize_weight(w, scale, BLOCK).to(torch.bfloat16))  # block dequantization, in the graph
 
     def forward(self, x):
         if self.fused_op:

@@ -14,9 +14,10 @@ import mla_inductor
 from mla_inductor import benchmarking
 from mla_inductor.lowerings.segment_gemm import can_pack
 from mla_inductor.ops.q_b_absorb import reference_fp64
+from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 from graph_utils import rewritten, serving_model_decode
-from quant_utils import dequantize_fp64, quantize_fp8_blocks, quantize_int8_per_row, quantize_rows_int8_fp64
+from quant_utils import dequantize_fp64, quantize_rows_int8_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.q_b_absorb
@@ -127,7 +128,7 @@ def quantized_args(case, tokens, seed=0):
     fmt, activation_quant, block = case
     args = make_args(tokens, torch.bfloat16, seed=seed, nope=18, q_lora_rank=40)
     weight = args["q_b_weight"]
-    args["q_b_weight"], scale = quantize_int8_per_row(weight) if fmt == "int8" else quantize_fp8_blocks(weight, block)
+    args["q_b_weight"], scale = quantize_weight_int8(weight) if fmt == "int8" else quantize_weight_fp8_blocks(weight, block)
     return dict(args, q_b_weight_scale=scale, weight_block_size=block, activation_quant=activation_quant)
 
 
@@ -149,8 +150,12 @@ def test_quantized_templates_in_one_compile():
     keys = ("q_a", "q_b_weight", "w_kc", "cos", "sin", "q_b_weight_scale")
 
     def fn(*flat):
-        return [op(*flat[i * len(keys):(i + 1) * len(keys) - 1], "interleaved", q_b_weight_scale=flat[(i + 1) * len(keys) - 1],
-                   weight_block_size=case[2], activation_quant=case[1]) for i, case in enumerate(QUANTIZED_CASES)]
+        outputs = []
+        for i, (_, activation_quant, block) in enumerate(QUANTIZED_CASES):
+            q_a, q_b_weight, w_kc, cos, sin, scale = flat[i * len(keys):(i + 1) * len(keys)]
+            outputs.append(op(q_a, q_b_weight, w_kc, cos, sin, "interleaved", q_b_weight_scale=scale,
+                              weight_block_size=block, activation_quant=activation_quant))
+        return outputs
 
     compiled = torch.compile(fn)
     for tokens in (3, 17):  # one compile (dynamic tokens); 17 ends on a one-row tile, the decode tile

@@ -18,9 +18,10 @@ from mla_inductor.models.mla import RMSNorm, init_weights_
 from mla_inductor.lowerings.segment_gemm import can_pack, pack_column_blocks, pack_vnni_blocks
 from mla_inductor.ops.qkv_a import reference_fp64
 from mla_inductor.ops.rope import rotate_pairs
+from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 from graph_utils import rewritten, serving_model_decode
-from quant_utils import dequantize_fp64, quantize_fp8_blocks, quantize_int8_per_row, quantize_rows_int8_fp64
+from quant_utils import dequantize_fp64, quantize_rows_int8_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.qkv_a_proj
@@ -212,7 +213,7 @@ def quantized_args(case, rows, seed=0, hidden=100, nq=10, lora=12, rope=6, bias=
     args = make_args(rows, dtype, hidden=hidden, nq=nq, lora=lora, rope=rope, bias=bias, seed=seed)
     for name in ("q", "kv"):
         w = args[f"{name}_weight"]
-        weight, scale = quantize_int8_per_row(w) if fmt == "int8" else quantize_fp8_blocks(w, block)
+        weight, scale = quantize_weight_int8(w) if fmt == "int8" else quantize_weight_fp8_blocks(w, block)
         args[f"{name}_weight"] = weight
         args[f"{name}_weight_scale"] = scale.view(-1) if activation_quant == "int8" else scale
     return dict(args, weight_block_size=block, activation_quant=activation_quant)

@@ -9,8 +9,8 @@ from torch._inductor.utils import run_and_get_code
 from mla_inductor.models import get_config
 from mla_inductor.models.mla import cos_sin_cache
 from mla_inductor.ops.qkv_proj_with_rope import reference_per_stage
+from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
-from quant_utils import quantize_fp8_blocks, quantize_int8_per_row
 
 op = torch.ops.mla.qkv_proj_with_rope
 fused_op = torch.ops.mla.qkv_proj_with_rope_fused_weight
@@ -106,7 +106,7 @@ def test_compiled_runs_the_templates_and_matches_the_reference():
 def quantized_weights(kind):
     """The tp22 weights as SGLang's test quantizes them for use_int8_w8a8 / use_fp8_w8a16."""
     w = dict(tp22_weights())
-    quantize = quantize_int8_per_row if kind == "int8" else quantize_fp8_blocks
+    quantize = quantize_weight_int8 if kind == "int8" else quantize_weight_fp8_blocks
     scales = {}
     for name in ("q_a_proj", "q_b_proj", "kv_a_proj"):
         w[f"{name}_weight"], scales[f"{name}_scale"] = quantize(w[f"{name}_weight"])

@@ -10,7 +10,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, cpp_rope_style, realize_input
-from .segment_gemm import frozen_values, packed_constant, scaled_weight_options, scales_fit_tiles
+from .segment_gemm import frozen_values, packed_constant, quantized_options, quantized_weights, scales_fit_tiles
 
 OP = torch.ops.mla.q_b_absorb.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -22,7 +22,7 @@ class QBAbsorbTemplate(FusedOpTemplate):
     def __init__(self, inputs: dict, layout: ir.Layout, dims: dict, rope_style: str, quantized) -> None:
         super().__init__("mla_q_b_absorb", inputs, layout)
         self.dims, self.rope_style = dims, rope_style
-        self.quantized = quantized  # weight_block_size and activation_quant of an int8 / fp8 q_b weight
+        self.quantized = quantized  # segment_gemm.quantized_weights of q_b_weight
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
@@ -32,8 +32,7 @@ class QBAbsorbTemplate(FusedOpTemplate):
         x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]
         packed = self.inputs["WP"] is not None  # then W_kc is packed too (WKC_P), and W_KC absent
         return dict(
-            q_b_scales=scaled_weight_options(kernel, self.quantized, wqb),
-            quantize_x=self.quantized is not None and self.quantized["activation_quant"] == "int8",
+            **quantized_options(kernel, self.quantized, q_b=wqb),
             M=kernel.size(x, 0),
             ldx=kernel.stride(x, 0),
             ldw=None if packed else kernel.stride(wqb, 0),
@@ -68,9 +67,8 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style, q_b_weight_sca
     ):
         return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, rope_style,
                                                                  q_b_weight_scale, weight_block_size, activation_quant)
-    quantized = None
-    if q_b_weight_scale is not None:  # an int8 / fp8 q_b weight streams as it is; W_kc is not packed either
-        quantized = dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+    quantized = quantized_weights(q_b_weight_scale, weight_block_size, activation_quant)
+    # a quantized q_b weight streams as it is, and then W_kc stays unpacked too
     frozen = None if quantized else frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
     packed = packed_w_kc = None
     if frozen is not None:

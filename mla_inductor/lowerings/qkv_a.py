@@ -11,7 +11,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, cpp_rope_style, realize_input
-from .segment_gemm import packed_weights, scaled_weight_options, scales_fit_tiles
+from .segment_gemm import packed_weights, quantized_options, quantized_weights, scales_fit_tiles
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -24,7 +24,7 @@ class QkvAProjTemplate(FusedOpTemplate):
                  k_rope_style: str, quantized: Optional[dict]) -> None:
         super().__init__("mla_qkv_a_proj", inputs, layout)
         self.nq, self.nkv, self.k_rope_style = nq, nkv, k_rope_style
-        self.quantized = quantized  # weight_block_size and activation_quant of int8 / fp8 weights
+        self.quantized = quantized  # segment_gemm.quantized_weights
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
     def headers(self) -> tuple[str, ...]:
@@ -37,9 +37,7 @@ class QkvAProjTemplate(FusedOpTemplate):
         packed = self.inputs["WP"] is not None
         x_size = x.get_size()
         return dict(
-            q_scales=scaled_weight_options(kernel, self.quantized, wq),
-            kv_scales=scaled_weight_options(kernel, self.quantized, wkv),
-            quantize_x=self.quantized is not None and self.quantized["activation_quant"] == "int8",
+            **quantized_options(kernel, self.quantized, q=wq, kv=wkv),
             M=" * ".join(kernel.size(x, d) for d in range(len(x_size) - 1)) or "1",
             K=kernel.size(x, -1),
             NQ=self.nq,
@@ -82,9 +80,7 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
     nq, nkv = (int(w.get_size()[0]) for w in (q_weight, kv_weight))
-    quantized = None
-    if q_weight_scale is not None:  # int8 / fp8 weights stream as they are: one byte an element
-        quantized = dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+    quantized = quantized_weights(q_weight_scale, weight_block_size, activation_quant)
     packed = None if quantized else packed_weights(x.get_dtype(), q_weight, kv_weight)
     inputs = {
         "X": x,

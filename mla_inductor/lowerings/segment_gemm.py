@@ -46,15 +46,27 @@ def scales_fit_tiles(weight, weight_block_size) -> bool:
     return block_n % TILE_COLS == 0 and block_k % WIDEST_VECTOR == 0
 
 
-def scaled_weight_options(kernel, quantized: Optional[dict], weight) -> Optional[dict]:
-    """What a template needs to read a quantized weight with nt_dot.h's WeightScales: the C++ type and
-    the scale blocks (per channel: blocks of 1 x K). None for a weight in the activation dtype."""
-    if quantized is None:
+def quantized_weights(scale, weight_block_size, activation_quant) -> Optional[dict]:
+    """How a template reads its int8 / fp8 weights (a weight with a scale streams as it is, one byte
+    an element, never packed), or None for weights in the activation dtype."""
+    if scale is None:
         return None
-    k = int(weight.get_size()[1])
-    block_n, block_k = quantized["weight_block_size"] or (1, k)
-    return dict(dtype=kernel.dtype(weight), block_n=block_n, block_k=min(block_k, k),
-                ld=-(-k // block_k))
+    return dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+
+
+def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
+    """The Jinja options of quantized weights: `<name>_scales` per weight, what nt_dot.h's WeightScales
+    is built from (the C++ type and the scale blocks; per channel, blocks of 1 x K), or None; and
+    `quantize_x` for W8A8."""
+    options = {"quantize_x": quantized is not None and quantized["activation_quant"] == "int8"}
+    for name, weight in weights.items():
+        options[f"{name}_scales"] = None
+        if quantized is not None:
+            k = int(weight.get_size()[1])
+            block_n, block_k = quantized["weight_block_size"] or (1, k)
+            options[f"{name}_scales"] = dict(dtype=kernel.dtype(weight), block_n=block_n, block_k=min(block_k, k),
+                                             ld=-(-k // block_k))
+    return options
 
 
 def can_pack(dtype: torch.dtype) -> bool:

@@ -69,7 +69,7 @@ def q_b_absorb(q_a: Tensor, q_b_weight: Tensor, w_kc: Tensor, cos: Tensor, sin: 
     compute = torch.promote_types(q_a.dtype, torch.float32)
     heads, nope, _ = w_kc.shape
     q = linear_fp32(q_a, q_b_weight, q_b_weight_scale, weight_block_size, activation_quant)
-    q = q.to(compute).view(q_a.shape[0], heads, -1)
+    q = q.view(q_a.shape[0], heads, -1)
     q_nope, q_pe = q[..., :nope], q[..., nope:]
     q_lat = torch.einsum("thd,hdl->thl", q_nope, w_kc.to(compute))
     q_pe = rotate_pairs(q_pe, cos[:, None], sin[:, None], rope_style == "neox", rope_style == "interleaved_to_halves")

@@ -104,8 +104,6 @@ def _chain(hidden, q_a_proj_weight, q_b_proj_weight, kv_a_proj_weight, w_kc, q_a
         dict(q_a_proj_weight=q_a_proj_weight, q_b_proj_weight=q_b_proj_weight, kv_a_proj_weight=kv_a_proj_weight),
         dict(q_a_proj_scale=q_a_proj_scale, q_b_proj_scale=q_b_proj_scale, kv_a_proj_scale=kv_a_proj_scale),
     )
-    if w_kc.dtype != hidden.dtype:
-        _fail(f"w_kc has dtype {w_kc.dtype}, expected hidden's dtype {hidden.dtype} (it is never quantized here)")
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
     q_a, c_kv, k_pe = torch.ops.mla.qkv_a_proj(
         hidden, q_a_proj_weight, kv_a_proj_weight, q_a_norm_weight, kv_a_norm_weight, eps, eps, k_cos=cos, k_sin=sin,

@@ -94,6 +94,25 @@ def dequantize_weight(weight: Tensor, scale: Optional[Tensor], block_size: Optio
     return weight.to(dtype) * expanded
 
 
+def quantize_weight_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A weight as symmetric int8 per output channel, as SGLang's W8A8 and torchao's int8 weights hold
+    it: (int8 [N, K], fp32 scale [N, 1] = absmax / 127 of each row)."""
+    scale = weight.float().abs().amax(1, keepdim=True).clamp_min(INT8_MIN_ABSMAX) / INT8_MAX
+    return torch.round(weight.float() / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def quantize_weight_fp8_blocks(weight: Tensor, block_size: Sequence[int] = (128, 128)) -> tuple[Tensor, Tensor]:
+    """A weight as float8_e4m3fn per block, as DeepSeek-V3's checkpoints hold it: (e4m3 [N, K], fp32
+    scale [ceil(N / bN), ceil(K / bK)] = absmax / 448 of each block), partial blocks at the ends."""
+    n, k = weight.shape
+    bn, bk = block_size
+    padded = torch.nn.functional.pad(weight.float(), (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = blocks.abs().amax((1, 3)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k]
+    return q.to(torch.float8_e4m3fn), scale
+
+
 def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     """SGLang's per-token symmetric int8 quantization in fp32: (q, scale) with x ~ q * scale,
     q = round(x * 127 / absmax) half to even, scale = absmax / 127 per row ([..., 1]); absmax is

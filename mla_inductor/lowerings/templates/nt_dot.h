@@ -108,49 +108,60 @@ inline void dot_panel_bf16(const c10::BFloat16* x, int64_t ldx, int mr, const c1
 // are compute-bound and skip it.
 constexpr int kStreamRows = 2;
 constexpr int64_t kStreamPrefetchBytes = 16 << 10;
-template <typename T, int MR, int NR>
-inline void dot_tile_fma(const T* x, int64_t ldx, const T* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
+
+// The same tiles read quantized weights (int8, fp8: TW of one byte; x then of its own type TX) with
+// their scales, see WeightScales below: with K_BLOCKED, x is multiplied by each K block's scale
+// k_scales[k / block_k]; otherwise block_k is K and the caller scales the finished sums.
+template <typename TX, typename TW, int MR, int NR, bool K_BLOCKED>
+inline void dot_tile_fma(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const float* k_scales,
+                         int64_t block_k, float* out, int64_t ldo) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t V = Vec::size();
   Vec acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = Vec(0.f);
-  int64_t k = 0;
-  for (; k + V <= K; k += V) {
+  // acc += (x[:, k : k + count] * s) . w[:, k : k + count]^T, one vector deep
+  auto fmadd_step = [&](int64_t k, int64_t count, const Vec& s) __attribute__((always_inline)) {
     Vec xv[MR];
-    for (int m = 0; m < MR; ++m) xv[m] = load_floats(x + m * ldx + k);
+    for (int m = 0; m < MR; ++m) {
+      xv[m] = count == V ? load_floats(x + m * ldx + k) : load_floats(x + m * ldx + k, count);
+      if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
+    }
     for (int n = 0; n < NR; ++n) {
       if constexpr (MR <= kStreamRows) {
-        if (k % (64 / sizeof(T)) == 0) {
+        if (k % (64 / sizeof(TW)) == 0) {
           _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
         }
       }
-      const Vec wv = load_floats(w + n * ldw + k);
+      const Vec wv = count == V ? load_floats(w + n * ldw + k) : load_floats(w + n * ldw + k, count);
       for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
     }
+  };
+  for (int64_t k0 = 0; k0 < K; k0 += block_k) {
+    const int64_t k1 = std::min(K, k0 + block_k);
+    const Vec s(K_BLOCKED ? k_scales[k0 / block_k] : 1.f);
+    int64_t k = k0;
+    for (; k + V <= k1; k += V) fmadd_step(k, V, s);
+    if (k < k1) fmadd_step(k, k1 - k, s);  // K's last, partial vector (a K block holds whole vectors)
   }
-  for (int m = 0; m < MR; ++m) {
-    for (int n = 0; n < NR; ++n) {
-      float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][n]);
-      for (int64_t kk = k; kk < K; ++kk) sum += float(x[m * ldx + kk]) * float(w[n * ldw + kk]);
-      out[m * ldo + n] = sum;
-    }
-  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n)
+      out[m * ldo + n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][n]);
 }
 
 // Portable panel: row blocks one after the other (the fp32 path is compute-bound well before the
 // weight stream matters).
-template <typename T, int NR>
-inline void dot_panel_fma(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t K, float* out,
-                          int64_t ldo) {
+template <typename TX, typename TW, int NR, bool K_BLOCKED>
+inline void dot_panel_fma(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int64_t K, const float* k_scales,
+                          int64_t block_k, float* out, int64_t ldo) {
   for (int m0 = 0; m0 < mr; m0 += kTileRows) {
-    const T* xb = x + m0 * ldx;
+    const TX* xb = x + m0 * ldx;
     float* ob = out + m0 * ldo;
     switch (std::min(kTileRows, mr - m0)) {
-      case 4: dot_tile_fma<T, 4, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-      case 3: dot_tile_fma<T, 3, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-      case 2: dot_tile_fma<T, 2, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-      default: dot_tile_fma<T, 1, NR>(xb, ldx, w, ldw, K, ob, ldo);
+      case 4: dot_tile_fma<TX, TW, 4, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      case 3: dot_tile_fma<TX, TW, 3, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      case 2: dot_tile_fma<TX, TW, 2, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
+      default: dot_tile_fma<TX, TW, 1, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo);
     }
   }
 }
@@ -163,7 +174,7 @@ inline void dot_panel_nr(const T* x, int64_t ldx, int mr, const T* w, int64_t ld
     return;
   }
 #endif
-  dot_panel_fma<T, NR>(x, ldx, mr, w, ldw, K, out, ldo);
+  dot_panel_fma<T, T, NR, false>(x, ldx, mr, w, ldw, K, nullptr, K, out, ldo);
 }
 
 // out[m, n] for mr (<= 8) x rows against nr (<= 4) w rows, over the whole of k.
@@ -184,13 +195,23 @@ inline int64_t nt_tasks(int64_t M, int64_t N) {
   return (N + kTileCols - 1) / kTileCols * ((M + kMaxPanelRows - 1) / kMaxPanelRows);
 }
 
+// Task `task`'s panel: x rows [m0, m0 + mr) against weight rows [n0, n0 + nr).
+struct NtPanel {
+  int64_t m0, n0;
+  int mr, nr;
+};
+
+inline NtPanel nt_panel(int64_t task, int64_t M, int64_t N) {
+  const int64_t m_blocks = (M + kMaxPanelRows - 1) / kMaxPanelRows;
+  const int64_t n0 = task / m_blocks * kTileCols, m0 = task % m_blocks * kMaxPanelRows;
+  return {m0, n0, static_cast<int>(std::min<int64_t>(kMaxPanelRows, M - m0)),
+          static_cast<int>(std::min<int64_t>(kTileCols, N - n0))};
+}
+
 template <typename T>
 inline void nt_task(int64_t task, const T* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N, int64_t K,
                     float* out, int64_t ldo) {
-  const int64_t m_blocks = (M + kMaxPanelRows - 1) / kMaxPanelRows;
-  const int64_t n0 = task / m_blocks * kTileCols, m0 = task % m_blocks * kMaxPanelRows;
-  const int mr = static_cast<int>(std::min<int64_t>(kMaxPanelRows, M - m0));
-  const int nr = static_cast<int>(std::min<int64_t>(kTileCols, N - n0));
+  const auto [m0, n0, mr, nr] = nt_panel(task, M, N);
   dot_panel<T>(x + m0 * ldx, ldx, mr, w + n0 * ldw, ldw, nr, K, out + m0 * ldo + n0, ldo);
 }
 
@@ -206,67 +227,17 @@ struct WeightScales {
 // With several K blocks (block_k < K) a weight row has a scale per K block. A tile's kTileCols rows lie
 // in one block of rows (block_n % kTileCols == 0, which the lowering requires), so their scale is one
 // number per K block, and it multiplies the x vectors (MR multiplies per MR x NR FMAs) rather than
-// partial sums that would need a second set of accumulators. With one K block, the scale multiplies
-// the finished sums (per column, as per-channel scales need).
-template <typename TX, typename TW, int MR, int NR, bool K_BLOCKED>
-inline void dot_tile_scaled(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const float* k_scales,
-                            int64_t block_k, float* out, int64_t ldo) {
-  static_assert(sizeof(TW) == 1, "quantized weights are int8 or fp8");
-  using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t V = Vec::size();
-  Vec acc[MR][NR];
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = Vec(0.f);
-  // fmadd_step: acc += (x[:, k : k + count] * s) . w[:, k : k + count]^T, one vector deep
-  auto fmadd_step = [&](int64_t k, int64_t count, const Vec& s) __attribute__((always_inline)) {
-    Vec xv[MR];
-    for (int m = 0; m < MR; ++m) {
-      xv[m] = count == V ? load_floats(x + m * ldx + k) : load_floats(x + m * ldx + k, count);
-      if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
-    }
-    for (int n = 0; n < NR; ++n) {
-      if constexpr (MR <= kStreamRows) {  // one-byte elements: a cache line every 64
-        if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
-      }
-      const Vec wv = count == V ? load_floats(w + n * ldw + k) : load_floats(w + n * ldw + k, count);
-      for (int m = 0; m < MR; ++m) acc[m][n] = at::vec::fmadd(xv[m], wv, acc[m][n]);
-    }
-  };
-  for (int64_t k0 = 0; k0 < K; k0 += block_k) {
-    const int64_t k1 = std::min(K, k0 + block_k);
-    const Vec s(K_BLOCKED ? k_scales[k0 / block_k] : 1.f);
-    int64_t k = k0;
-    for (; k + V <= k1; k += V) fmadd_step(k, V, s);
-    if (k < k1) fmadd_step(k, k1 - k, s);  // K's last, partial vector (block_k % V == 0)
-  }
-  for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n)
-      out[m * ldo + n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][n]);
-}
-
-template <typename TX, typename TW, int NR, bool K_BLOCKED>
-inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int64_t K,
-                             const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
-  for (int m0 = 0; m0 < mr; m0 += kTileRows) {
-    const TX* xb = x + m0 * ldx;
-    float* ob = out + m0 * ldo;
-    switch (std::min(kTileRows, mr - m0)) {
-      case 4: dot_tile_scaled<TX, TW, 4, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      case 3: dot_tile_scaled<TX, TW, 3, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      case 2: dot_tile_scaled<TX, TW, 2, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      default: dot_tile_scaled<TX, TW, 1, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo);
-    }
-  }
-}
-
+// partial sums that would need a second set of accumulators (dot_tile_fma's K_BLOCKED). With one K
+// block, the scale multiplies the finished sums (per column, as per-channel scales need).
 template <typename TX, typename TW, bool K_BLOCKED>
 inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int nr, int64_t K,
                              const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
+  static_assert(sizeof(TW) == 1, "quantized weights are int8 or fp8");
   switch (nr) {
-    case 4: return dot_panel_scaled<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    case 3: return dot_panel_scaled<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    case 2: return dot_panel_scaled<TX, TW, 2, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    default: return dot_panel_scaled<TX, TW, 1, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 4: return dot_panel_fma<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 3: return dot_panel_fma<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 2: return dot_panel_fma<TX, TW, 2, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    default: return dot_panel_fma<TX, TW, 1, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
   }
 }
 
@@ -276,10 +247,7 @@ inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int6
 template <typename TX, typename TW>
 inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* row_scales, int64_t M, const TW* w,
                            int64_t ldw, int64_t N, int64_t K, const WeightScales& scales, float* out, int64_t ldo) {
-  const int64_t m_blocks = (M + kMaxPanelRows - 1) / kMaxPanelRows;
-  const int64_t n0 = task / m_blocks * kTileCols, m0 = task % m_blocks * kMaxPanelRows;
-  const int mr = static_cast<int>(std::min<int64_t>(kMaxPanelRows, M - m0));
-  const int nr = static_cast<int>(std::min<int64_t>(kTileCols, N - n0));
+  const auto [m0, n0, mr, nr] = nt_panel(task, M, N);
   const TX* xt = x + m0 * ldx;
   const TW* wt = w + n0 * ldw;
   float* ot = out + m0 * ldo + n0;
