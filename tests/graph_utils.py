@@ -46,15 +46,21 @@ def _fmt(arg):
     return str(arg)
 
 
-def rewritten(fn, *args, stage="joint", freezing=False, dynamic=False, **own_options):
-    """Compile fn with MLAPass in `stage` followed by a capture; return the captured graph text."""
+def rewritten_and_run(fn, *args, stage="joint", freezing=False, dynamic=False, **own_options):
+    """Compile fn with MLAPass in `stage` followed by a capture and run it once: (the captured graph
+    text, the compiled fn's result). One compile serves a test that checks both."""
     capture = Capture()
     slot = "joint_custom_post_pass" if stage == "joint" else "post_grad_custom_post_pass"
     options = {slot: [MLAPass(stage, mla_inductor.config.Config.from_options(own_options)), capture]}
     torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(freezing=freezing, fx_graph_cache=False):
-        torch.compile(fn, options=options, dynamic=dynamic)(*args)
-    return capture.graphs[0]
+        result = torch.compile(fn, options=options, dynamic=dynamic)(*args)
+    return capture.graphs[0], result
+
+
+def rewritten(fn, *args, **kwargs):
+    """The graph text of `rewritten_and_run`."""
+    return rewritten_and_run(fn, *args, **kwargs)[0]
 
 
 def serving_model_decode(num_layers, seq_lens, dynamic=False, freezing=False):

@@ -11,7 +11,7 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import greedy, rewritten, static_cache_greedy_decode, tiny_gqa_model as tiny
+from graph_utils import greedy, rewritten, rewritten_and_run, static_cache_greedy_decode, tiny_gqa_model as tiny
 from mla_inductor import isa
 from mla_inductor.lowerings.segment_gemm import can_pack
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
@@ -264,12 +264,10 @@ def test_prefill_fires_per_layer_and_matches_eager(arch):
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(2))
     fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
     with torch.no_grad():
-        graph = rewritten(fn, ids, stage="post_grad")
-        assert graph.count("mla.qkv_projection") == 2 and "mla.apply_rope" not in graph, graph
         expected = fn(ids)
-        torch._dynamo.reset()
         mla_inductor.reset_counts()
-        actual = torch.compile(fn, backend="mla_inductor")(ids)
+        graph, actual = rewritten_and_run(fn, ids, stage="post_grad")
+        assert graph.count("mla.qkv_projection") == 2 and "mla.apply_rope" not in graph, graph
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 

@@ -84,8 +84,9 @@ def test_the_layers_read_one_way():
 # One decoder layer of transformers' Llama: fires rope, gqa_qkv (the joint-graph stage, counted when the
 # post-grad stage of the same compile starts) in a compile small enough to run twice.
 _COMPILE_AND_COUNT = """
-import json, torch, transformers
+import json, pathlib, torch, transformers
 from torch._dynamo.utils import counters
+from torch._inductor.codecache import PyCodeCache
 import mla_inductor
 
 config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -94,12 +95,16 @@ torch.manual_seed(0)
 model = transformers.LlamaForCausalLM(config).eval()
 with torch.no_grad():
     torch.compile(model, backend="mla_inductor")(torch.arange(8)[None])
+sources = [pathlib.Path(m.__file__).read_text() for m in PyCodeCache.modules]
 print(json.dumps({"fusions": mla_inductor.fusion_counts(),
-                  "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"]}))
+                  "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+                  "kernel": any("mi::nt_task" in s for s in sources)}))
 """
 
 
 def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_cache(tmp_path):
+    """A second process with the FX-graph cache on gets a hit: the pass does not run again, the cached
+    module carries its rewrite (our GEMM kernel), and the counts are replayed with it."""
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FORCE_DISABLE_CACHES="0")
 
     def run():
@@ -112,3 +117,4 @@ def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_ca
     assert compiled["cache_hits"] == 0 and served["cache_hits"] > 0, (compiled, served)
     assert compiled["fusions"]["rope"] > 0 and compiled["fusions"]["gqa_qkv"] > 0, compiled
     assert served["fusions"] == compiled["fusions"]
+    assert compiled["kernel"] and served["kernel"]

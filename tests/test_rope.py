@@ -9,7 +9,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import rewritten, serving_model_decode
+from graph_utils import rewritten, rewritten_and_run, serving_model_decode
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.rope import apply_rope_fp64, reference_fp64
@@ -290,10 +290,8 @@ def spelling_inputs(dtype):
 def test_each_spelling_fires_and_matches_its_eager_code(spelling, dtype):
     fn = SPELLINGS[spelling]
     q, k, positions = spelling_inputs(dtype)
-    graph = rewritten(fn, q, k, positions, stage="post_grad")
+    graph, actual = rewritten_and_run(fn, q, k, positions, stage="post_grad")
     assert graph.count("mla.apply_rope") == 2, graph
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="mla_inductor")(q, k, positions)
     for out, expected in zip(actual, fn(q, k, positions)):
         # bf16 model code rounds after every product; the op once
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
@@ -328,10 +326,8 @@ def test_serving_forward_native_fires_and_matches_its_eager_code(is_neox, rotary
     cos, sin = rotary_cos_sin(torch.arange(12), rotary_dim, torch.float32)
     cache = torch.cat([cos[:, : rotary_dim // 2], sin[:, : rotary_dim // 2]], dim=-1)  # fp32, as engines keep it
     fn = functools.partial(serving_forward_native, is_neox=is_neox)
-    graph = rewritten(fn, positions, query, key, cache, stage="post_grad")
+    graph, actual = rewritten_and_run(fn, positions, query, key, cache, stage="post_grad")
     assert graph.count("mla.apply_rope") == 2, graph
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="mla_inductor")(positions, query, key, cache)
     for out, expected in zip(actual, fn(positions, query, key, cache)):
         torch.testing.assert_close(out, expected, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
 
@@ -350,10 +346,8 @@ def test_serving_rotation_written_back_in_place_into_q():
         q[..., 16:] = q_pe
         return q, k_pe
 
-    graph = rewritten(fn, positions, q, k_pe, cache, stage="post_grad")
+    graph, actual = rewritten_and_run(fn, positions, q, k_pe, cache, stage="post_grad")
     assert graph.count("mla.apply_rope") == 2 and "slice_scatter" in graph, graph
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="mla_inductor")(positions, q, k_pe, cache)
     for out, expected in zip(actual, fn(positions, q, k_pe, cache)):
         torch.testing.assert_close(out, expected, atol=2e-2, rtol=1e-2)
 
@@ -369,10 +363,8 @@ def test_query_and_key_with_different_rotary_dims():
         return (serving_forward_native(positions, query, query, q_cache, False)[0],
                 serving_forward_native(positions, key, key, k_cache, True)[1])
 
-    graph = rewritten(fn, positions, query, key, q_cache, k_cache, stage="post_grad")
+    graph, actual = rewritten_and_run(fn, positions, query, key, q_cache, k_cache, stage="post_grad")
     assert "interleaved)" in graph and "neox)" in graph, graph
-    torch._dynamo.reset()
-    actual = torch.compile(fn, backend="mla_inductor")(positions, query, key, q_cache, k_cache)
     for out, expected in zip(actual, fn(positions, query, key, q_cache, k_cache)):
         torch.testing.assert_close(out, expected)
 
@@ -443,12 +435,8 @@ def test_transformers_prefill_fires_per_layer_and_matches_eager(arch):
     torch._dynamo.reset()
     with torch.no_grad():
         expected = model(ids, use_cache=False).logits
-        graph = rewritten(lambda ids: model(ids, use_cache=False).logits, ids, stage="post_grad")
-        assert mla_inductor.fusion_counts()["rope"] == 4
-        assert graph.count("mla.apply_rope") == 2 and graph.count("k_cos=") == 2, graph
-        mla_inductor.reset_counts()
-        torch._dynamo.reset()
-        actual = torch.compile(lambda ids: model(ids, use_cache=False).logits, backend="mla_inductor")(ids)
+        graph, actual = rewritten_and_run(lambda ids: model(ids, use_cache=False).logits, ids, stage="post_grad")
+    assert graph.count("mla.apply_rope") == 2 and graph.count("k_cos=") == 2, graph
     counts = mla_inductor.fusion_counts()
     assert counts["rope"] == 4 and counts["q_b_absorb"] == 0, counts  # a prefill query is not absorbed
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
