@@ -18,7 +18,7 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import config as mla_config
 from . import record
-from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, register_all
+from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, quantized_linear, register_all
 from .patterns.registry import apply_anchored_rewrites, canonical_gemm_splits
 
 _MAX_ROUNDS = 3
@@ -54,7 +54,8 @@ class MLAPass(CustomGraphPass):
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
-        changed = canonical_gemm_splits(graph) > 0
+        quantized = quantized_linear.canonicalize(graph) > 0
+        changed = canonical_gemm_splits(graph) > 0 or quantized
         # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):
@@ -68,6 +69,9 @@ class MLAPass(CustomGraphPass):
             if merged and self.config.enabled("qkv_proj_with_rope"):
                 count_whole_chains(merged, self.stage)
             changed = changed or bool(merged)
+        if quantized:
+            quantized_linear.fold(graph)
+            quantized_linear.restore(graph)
         if changed:
             # A multi-output replacement is inserted before the earliest output of its match, which
             # may precede an input defined between the outputs (a lifted eps' cast, say).

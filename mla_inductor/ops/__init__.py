@@ -1,5 +1,6 @@
 """The mla:: custom ops: schema, eager reference and fake (meta) implementation, one module per fused op."""
 
+from . import weight_quant  # noqa: F401  (mla::dequantize_weight)
 from . import qkv_a  # noqa: F401
 from . import mla_decode  # noqa: F401
 from . import rope  # noqa: F401

@@ -132,3 +132,25 @@ def linear_fp32(x: Tensor, weight: Tensor, scale: Optional[Tensor], block_size: 
         q, x_scale = quantize_rows_int8(x)
         return (q.float() @ w.T) * x_scale
     return x.float() @ w.T
+
+
+@torch.library.custom_op("mla::dequantize_weight", mutates_args=())
+def dequantize_weight_op(weight: Tensor, scale: Tensor, weight_block_size: Optional[list[int]],
+                         dtype: torch.dtype) -> Tensor:
+    """A quantized Linear's weight as its GEMM reads it, in the activations' `dtype`: the form the
+    patterns give every spelling of a quantized Linear (patterns/quantized_linear.py) so that the
+    fusions match it as a Linear. It never reaches Inductor's lowering: the pass folds it into the
+    fused ops or writes it back in aten. The scale may be in any floating dtype the model keeps it
+    in (torchao's graphs cast it to the activations' dtype); it is widened to fp32 exactly."""
+    scale = scale.float()
+    check_quantized_weight(_fail_dequantize, "weight", weight, "scale", scale, weight_block_size, "none", dtype)
+    return dequantize_weight(weight, scale, weight_block_size).to(dtype)
+
+
+@dequantize_weight_op.register_fake
+def _(weight, scale, weight_block_size, dtype):
+    return weight.new_empty(weight.shape, dtype=dtype)
+
+
+def _fail_dequantize(message: str) -> None:
+    raise ValueError(f"mla::dequantize_weight: {message}")

@@ -386,7 +386,7 @@ class Emitter:
 
     def __init__(self, graph: torch.fx.Graph, before: Node, like: Optional[Node] = None):
         self.graph, self.before = graph, before
-        self.fake_mode = detect_fake_mode(pytree.tree_leaves(before.meta["val"]))
+        self.fake_mode = detect_fake_mode(pytree.tree_leaves((like or before).meta["val"]))
         self.module_stack = (like or before).meta.get("nn_module_stack", {})  # where explain() says it fired
         self.size_nodes = {}
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
+from .quantized_linear import decline_reason
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "gqa_qkv"
@@ -113,6 +114,10 @@ def check(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     x = kw.get("x", kw.get("residual"))
     cos, q_weight, k_weight = kw["cos"], kw["q_weight"], kw["k_weight"]
+    weights = {name: match.kwargs[name] for name in ("q_weight", "k_weight", "v_weight")}
+    quantized = decline_reason(weights, takes_quantized=False)
+    if quantized:
+        return quantized
     if x.dim() != 3 or cos.dim() != 4 or cos.shape[1] != 1:
         return f"x {list(x.shape)} / cos {list(cos.shape)} are not [B, S, H] / [B, 1, S, d_head]"
     d_head = cos.shape[-1]

@@ -1,0 +1,263 @@
+"""Quantized linears: the spellings of a Linear over int8 or fp8 weights, made the one form the
+fusions already match.
+
+Each spelling found is rewritten to `mm(x, permute(mla::dequantize_weight(w, scale, block, dtype)))`:
+a plain Linear whose weight is the dequantized one. Every fusion that matches a bf16 Linear then
+matches it unchanged, and `fold` hands the fused ops that take quantized weights (qkv_a_proj,
+q_b_absorb) the one-byte weight and its scales instead of the dequantized one: their templates
+read it as it is. A fusion whose op takes no quantized weight declines one (`decline_reason`).
+
+What no fusion took gets its own spelling back (`restore`), node for node, so that Inductor's own
+rewrites see what they would have seen without this pass (the int8 Linear stays torch's
+`_weight_int8pack_mm` under freezing, say). A dequantized weight something else still reads (the
+W_kc / W_vc views mla_decode takes of kv_b_proj's weight) becomes the aten computation it stands for,
+which freezing folds into a constant.
+
+The joint-graph stage is where this pays: it runs with and without freezing, and sees model code's
+spelling before any of Inductor's int8 rewrites (post-grad graphs hold Inductor's `woq_int8` lowering
+calls instead, and frozen ones constants folded from the scales). The post-grad stage finds nothing
+left to canonicalize.
+
+Spellings (verified on torch 2.13 with torchao 0.18):
+- torchao's int8 weight-only Linear (`Int8WeightOnlyConfig`, per-row scales):
+  `mm(x, permute(w_int8).to(dtype)) * scale.to(dtype).view(N)`, in either operand order.
+  (Its group-wise form, `Int8WeightOnlyConfig(group_size=...)`, dequantizes the whole weight in the
+  graph first and is not matched.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Optional
+
+import torch
+from torch.fx import Graph, Node
+
+from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES
+from .contraction import Emitter
+
+aten, prims = torch.ops.aten, torch.ops.prims
+DEQUANTIZE = torch.ops.mla.dequantize_weight.default
+_ORIGIN = "mla_quantized_linear_origin"  # node.meta key of a canonical mm: the spelling it replaced
+
+
+@dataclasses.dataclass
+class Origin:
+    """The nodes a canonical Linear replaced, copied out of the graph: their inputs are placeholders
+    named after the canonical nodes' arguments that stand for them (x, weight, scale)."""
+
+    graph: Graph
+    inputs: dict[str, Node]
+
+
+def _through(node: Node, targets: Iterable) -> Node:
+    """The first node up a chain of one-input ops of `targets`."""
+    targets = set(targets)
+    while node.op == "call_function" and node.target in targets:
+        node = node.args[0]
+    return node
+
+
+_SCALE_CHAIN = (aten.view.default, aten.reshape.default, prims.convert_element_type.default)
+
+
+def _per_channel_scale(scale: Node, rows: int) -> Optional[Node]:
+    """The source of a per-channel scale the graph reshapes and casts (a floating tensor of `rows`
+    values), or None."""
+    source = _through(scale, _SCALE_CHAIN)
+    val = source.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.numel() != rows:
+        return None
+    return source
+
+
+def _chain(node: Node, source: Node) -> list[Node]:
+    """The nodes from `source` (excluded) up to `node` along first arguments."""
+    nodes = []
+    while node is not source:
+        nodes.append(node)
+        node = node.args[0]
+    return nodes
+
+
+def _int8_weight(node: Node) -> Optional[Node]:
+    val = node.meta.get("val")
+    return node if isinstance(val, torch.Tensor) and val.dtype == torch.int8 and val.dim() == 2 else None
+
+
+def _torchao_int8_weight_only(mul: Node) -> Optional[tuple[Node, Node, Node, list[Node]]]:
+    """(x, weight, scale, replaced nodes) of `mm(x, permute(w).to(dtype)) * scale`, or None."""
+    if mul.target is not aten.mul.Tensor or len(mul.args) != 2:
+        return None
+    for mm, scale in (mul.args, mul.args[::-1]):
+        if not (isinstance(mm, Node) and mm.target is aten.mm.default and len(mm.users) == 1
+                and isinstance(scale, Node)):
+            continue
+        x, transposed = mm.args
+        cast = transposed
+        if cast.target is not prims.convert_element_type.default or len(cast.users) != 1:
+            continue
+        permute = cast.args[0]
+        if permute.target is not aten.permute.default or list(permute.args[1]) != [1, 0] or len(permute.users) != 1:
+            continue
+        weight = _int8_weight(permute.args[0])
+        if weight is None:
+            continue
+        rows = weight.meta["val"].shape[0]
+        source = _per_channel_scale(scale, rows)
+        if source is None or list(scale.meta["val"].shape) != [rows]:
+            continue
+        return x, weight, source, [mul, mm, cast, permute, *_chain(scale, source)]
+    return None
+
+
+def _snapshot(nodes: list[Node], inputs: dict[str, Node]) -> Origin:
+    """The nodes (any order) copied into a graph of their own, reading `inputs` as placeholders."""
+    graph = Graph()
+    env = {node: graph.placeholder(name) for name, node in inputs.items()}
+    members = set(nodes)
+    order = [n for n in nodes[0].graph.nodes if n in members]
+    for node in order:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[order[-1]])
+    return Origin(graph, {name: env[node] for name, node in inputs.items()})
+
+
+def _after(graph: Graph, *nodes: Node) -> Node:
+    """The node that follows the last of `nodes` in the graph."""
+    pending = set(nodes)
+    for node in graph.nodes:
+        pending.discard(node)
+        if not pending:
+            return node.next
+    raise ValueError("nodes not in the graph")
+
+
+def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -> Node:
+    """`mm(x, dequantize_weight(weight, scale).T)` in place of `output` (2-D [tokens, N] either way).
+    The dequantized weight is placed where its inputs are first all defined (the graph's top, for
+    parameters): a fusion's replacement goes before the earliest node it replaces and may precede
+    `output`, and must find its weights defined there."""
+    emit = Emitter(graph, _after(graph, weight, scale), like=output)
+    dtype = output.meta["val"].dtype
+    transposed = emit(aten.permute.default, emit(DEQUANTIZE, weight, scale, None, dtype), [1, 0])
+    emit = Emitter(graph, output, like=output)
+    if x.target in (aten.view.default, aten.reshape.default) and -1 in x.args[1]:
+        # torchao flattens x by `reshape(-1, K)`, F.linear by its sizes: the patterns' strict re-trace
+        # compares those literals, so the view is spelled as F.linear's
+        x = emit(x.target, x.args[0], [emit.size_arg(n) for n in x.meta["val"].shape])
+    return emit(aten.mm.default, x, transposed)
+
+
+def canonicalize(graph: Graph) -> int:
+    """Every spelling of a quantized Linear (module doc) as a plain Linear over its dequantized weight."""
+    rewritten = 0
+    for node in list(graph.nodes):
+        found = _torchao_int8_weight_only(node)
+        if found is None:
+            continue
+        x, weight, scale, replaced = found
+        origin = _snapshot(replaced, {"x": x, "weight": weight, "scale": scale})
+        canonical = _canonical(graph, node, x, weight, scale)
+        canonical.meta[_ORIGIN] = origin
+        node.replace_all_uses_with(canonical)
+        for dead in replaced:  # outputs first; a scale's cast another node reads stays
+            if not dead.users:
+                graph.erase_node(dead)
+        rewritten += 1
+    return rewritten
+
+
+def _dequantized(node) -> Optional[Node]:
+    """The `dequantize_weight` a fused op's weight argument is (through row slices), or None."""
+    return node if isinstance(node, Node) and node.target is DEQUANTIZE else None
+
+
+def decline_reason(weights: dict[str, Node], takes_quantized: bool = True) -> Optional[str]:
+    """None if a fused op can take these weight nodes (by argument name), else why not: an op that
+    takes quantized weights needs all of them quantized alike or none; others need none."""
+    quantized = {name: _dequantized(node) for name, node in weights.items()}
+    names = [name for name, node in quantized.items() if node is not None]
+    if not names:
+        return None
+    if not takes_quantized:
+        return f"{', '.join(names)} quantized: the fused op takes {' and '.join(weights)} in the activation dtype only"
+    if len(names) != len(weights):
+        return f"{' and '.join(names)} quantized, {' and '.join(set(weights) - set(names))} not: the op takes both alike"
+    formats = {(node.args[0].meta["val"].dtype, tuple(node.args[2] or ())) for node in quantized.values()}
+    if len(formats) != 1:
+        return f"{' and '.join(names)} are quantized differently ({sorted(map(str, formats))})"
+    return None
+
+
+# fused op -> (its weight arguments by position, the scale keyword of each); the block size and
+# activation quantization are shared keywords of both ops
+_QUANTIZED_WEIGHT_ARGS = {
+    torch.ops.mla.qkv_a_proj.default: ((1, "q_weight_scale"), (2, "kv_weight_scale")),
+    torch.ops.mla.q_b_absorb.default: ((1, "q_b_weight_scale"),),
+}
+
+
+def fold(graph: Graph) -> int:
+    """Fused ops reading dequantized weights take the quantized weight and its scale instead."""
+    folded = 0
+    for node in graph.nodes:
+        weight_args = _QUANTIZED_WEIGHT_ARGS.get(node.target)
+        if weight_args is None:
+            continue
+        for index, scale_kwarg in weight_args:
+            dequantized = _dequantized(node.args[index])
+            if dequantized is None:
+                continue
+            weight, scale, block_size, _ = dequantized.args
+            if scale.meta["val"].dtype != torch.float32:  # the fused ops take fp32 scales
+                scale = Emitter(graph, node)(prims.convert_element_type.default, scale, torch.float32)
+            node.update_arg(index, weight)
+            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block_size}
+            folded += 1
+    return folded
+
+
+def _dequantize_in_aten(graph: Graph, node: Node) -> Node:
+    """A per-channel `dequantize_weight` as the aten ops it stands for: weight.float() * scale, rounded."""
+    weight, scale, block_size, dtype = node.args
+    if block_size is not None:
+        raise NotImplementedError("block-scaled weights are not canonicalized yet")
+    emit = Emitter(graph, node, like=node)
+    rows = weight.meta["val"].shape[0]
+    product = emit(aten.mul.Tensor, emit(prims.convert_element_type.default, weight, torch.float32),
+                   emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
+    return emit(prims.convert_element_type.default, product, dtype)
+
+
+def restore(graph: Graph) -> int:
+    """Canonical Linears no fusion took back in their spelling; other reads of a dequantized weight in aten."""
+    restored = 0
+    for node in list(graph.nodes):
+        origin = node.meta.get(_ORIGIN)
+        if origin is None or node.target is not aten.mm.default:
+            continue
+        x, transposed = node.args
+        dequantized = transposed.args[0]
+        current = {"x": x, "weight": dequantized.args[0], "scale": dequantized.args[1]}
+        with graph.inserting_before(node):
+            value = graph.graph_copy(origin.graph, {origin.inputs[k]: current[k] for k in origin.inputs})
+        node.replace_all_uses_with(value)
+        graph.erase_node(node)
+        if not transposed.users:
+            graph.erase_node(transposed)
+        restored += 1
+    for node in list(graph.nodes):
+        if node.target is DEQUANTIZE:
+            if node.users:
+                node.replace_all_uses_with(_dequantize_in_aten(graph, node))
+            graph.erase_node(node)
+    return restored
+
+
+def quantized_linears(graph: Graph) -> list[Node]:
+    """The canonical Linears of a graph (for tests)."""
+    return [n for n in graph.nodes if _ORIGIN in n.meta]
+
+
+__all__ = ["QUANTIZED_WEIGHT_DTYPES", "canonicalize", "decline_reason", "fold", "quantized_linears", "restore"]

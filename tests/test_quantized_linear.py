@@ -1,0 +1,177 @@
+"""Quantized Linears (patterns/quantized_linear.py): torchao's int8 weight-only Linears in transformers
+models fuse as their bf16 Linears do, and what does not fuse keeps its spelling, so Inductor's own
+int8 path (`_weight_int8pack_mm`)."""
+
+import pytest
+import torch
+import transformers
+from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.decomposition import select_decomp_table
+from torch._inductor.utils import run_and_get_code
+from torchao.quantization import Int8WeightOnlyConfig, PerGroup, quantize_
+
+import mla_inductor
+from graph_utils import declined, fired, greedy, rewrite_and_run, tiny_gqa_model
+from mla_inductor.models import get_config
+from mla_inductor.models.hf import build_hf_model
+from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
+from mla_inductor.patterns import quantized_linear
+from quant_utils import dequantize_fp64
+
+DEQUANTIZE = torch.ops.mla.dequantize_weight
+
+
+def int8_weight_only(module, **config):
+    # set_inductor_config=False: torchao would otherwise change Inductor's global config for every
+    # later test of this worker
+    quantize_(module, Int8WeightOnlyConfig(set_inductor_config=False, **config))
+    return module
+
+
+# --- the op ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["int8", "int8 bf16 scale", "fp8 blocks"])
+def test_dequantize_weight_is_the_weight_times_its_scale_rounded_once(fmt):
+    w = torch.randn(40, 72, generator=torch.Generator().manual_seed(0))
+    block = [16, 32] if fmt == "fp8 blocks" else None
+    q, scale = quantize_weight_fp8_blocks(w, block) if block else quantize_weight_int8(w)
+    if fmt == "int8 bf16 scale":
+        scale = scale.to(torch.bfloat16)  # as torchao's graphs cast it
+    out = DEQUANTIZE(q, scale, block, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, dequantize_fp64(q, scale.double(), block).to(torch.bfloat16), atol=0, rtol=0)
+
+
+def test_dequantize_weight_names_the_bad_argument():
+    q, scale = quantize_weight_int8(torch.randn(8, 16))
+    with pytest.raises(ValueError, match="scale must be"):
+        DEQUANTIZE(q, scale[:4], None, torch.bfloat16)
+    with pytest.raises(ValueError, match="scale dequantizes"):
+        DEQUANTIZE(q.float(), scale, None, torch.float32)
+
+
+# --- the canonical form on its own ------------------------------------------------------------------
+
+def forward_graph(fn, *args) -> torch.fx.GraphModule:
+    """fn's forward graph as Inductor's joint stage gets it (AOTAutograd, Inductor's decompositions)."""
+    graphs = []
+
+    def capture(gm, _):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(fn, backend=aot_autograd(fw_compiler=capture, decompositions=select_decomp_table()))(*args)
+    return graphs[0]
+
+
+def test_torchao_int8_linear_round_trips_through_the_canonical_form():
+    linear = int8_weight_only(torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16))
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    gm = forward_graph(linear, x)
+    before = [(n.op, n.target) for n in gm.graph.nodes]
+
+    assert quantized_linear.canonicalize(gm.graph) == 1
+    (canonical,) = quantized_linear.quantized_linears(gm.graph)
+    assert canonical.args[1].args[0].target is DEQUANTIZE.default
+    quantized_linear.restore(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    # the same ops in the same order (a restored spelling sits where the canonical mm was)
+    assert sorted(map(str, before)) == sorted(map(str, [(n.op, n.target) for n in gm.graph.nodes]))
+
+
+@pytest.mark.parametrize("case", ["group-wise weights", "mul by activations", "bf16 weight"])
+def test_not_canonicalized(case):
+    """Only a per-channel scale of an int8 weight's columns: torchao's group-wise form dequantizes the
+    whole weight first; a product with activations or a bf16 weight is no quantized Linear."""
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    if case == "group-wise weights":
+        fn = int8_weight_only(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), granularity=PerGroup(32))
+        args = (x,)
+    elif case == "mul by activations":
+        w = torch.randint(-127, 128, (48, 64), dtype=torch.int8)
+        fn, args = (lambda x, y: (x @ w.t().to(x.dtype)) * y), (x, torch.randn(3, 48).to(torch.bfloat16))
+    else:
+        w = torch.randn(48, 64).to(torch.bfloat16)
+        fn, args = (lambda x, s: (x @ w.t()) * s.to(x.dtype)), (x, torch.rand(48))
+    assert quantized_linear.canonicalize(forward_graph(fn, *args).graph) == 0
+
+
+# --- transformers models -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def deepseek_int8():
+    config = get_config("tiny", num_layers=2)
+    model = int8_weight_only(build_hf_model(config, arch="v3", dtype=torch.bfloat16))
+    prompt = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    return config, model, prompt
+
+
+def test_deepseek_prefill_graph_fuses_the_int8_a_projections_and_restores_the_other_linears(deepseek_int8):
+    """The graphs alone (no C++): per layer qkv_a_proj reads the int8 q_a / kv_a weights and their
+    scales (k_pe's rotation inside); every other Linear is torchao's spelling again, for Inductor."""
+    config, model, prompt = deepseek_int8
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        expected = fn(prompt)
+    actual, events = rewrite_and_run(fn, prompt)
+    assert fired(events, "qkv_a_proj") == config.num_layers and fired(events, "rope") == 2 * config.num_layers
+    graph = rewrite_and_run.graph
+    fused = [n for n in graph.nodes if n.target is torch.ops.mla.qkv_a_proj.default]
+    assert len(fused) == config.num_layers
+    for node in fused:
+        assert node.args[1].meta["val"].dtype == node.args[2].meta["val"].dtype == torch.int8
+        assert node.kwargs["q_weight_scale"] is not None and node.kwargs["kv_weight_scale"] is not None
+    assert not any(n.target is DEQUANTIZE.default for n in graph.nodes)
+    # q_b_proj, kv_b_proj, o_proj, the MLP's three and lm_head: torchao's int8 Linear, for Inductor
+    restored = [n for n in graph.nodes if n.target is torch.ops.aten.mm.default
+                and n.args[1].target is torch.ops.prims.convert_element_type.default]
+    assert len(restored) == 6 * config.num_layers + 1
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(deepseek_int8):
+    """Through the backend with freezing: the fused templates read the int8 constants, the Linears no
+    fusion took are Inductor's `_weight_int8pack_mm`, and greedy decoding equals eager's."""
+    config, model, prompt = deepseek_int8
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=24)  # noqa: E731
+    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 3)
+    cache = make_cache()
+    step = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                         backend="mla_inductor")
+    codes = []
+
+    def compiled_step(ids, pos):  # the generated code of the first call, which compiles
+        out, code = run_and_get_code(step, ids, pos) if not codes else (step(ids, pos), [])
+        codes.extend(code)
+        return out
+
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
+    with torch._inductor.config.patch(freezing=True):  # read while tracing: the first call
+        tokens, logits = greedy(model, cache, prompt, 3, compiled_step)
+    counts = mla_inductor.fusion_counts()
+    assert counts["qkv_a_proj"] == counts["q_b_absorb"] == counts["mla_decode"] == config.num_layers, counts
+    code = "\n".join(codes)
+    assert "mi::nt_task_scaled(" in code and "const int8_t* wqb" in code  # q_b_absorb on the int8 q_b_proj
+    assert "_weight_int8pack_mm" in code
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
+
+
+def test_llama_qkv_declines_int8_weights_and_every_linear_keeps_its_spelling():
+    """gqa_qkv's op takes its weights in the activation dtype only: with torchao's int8 weights it
+    declines, saying why, and the rotations fuse on their own."""
+    model = int8_weight_only(tiny_gqa_model("llama", torch.bfloat16, layers=1))
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        expected = fn(ids)
+    actual, events = rewrite_and_run(fn, ids)
+    assert fired(events, "gqa_qkv") == 0
+    assert any("quantized" in reason for reason in declined(events, "gqa_qkv")), declined(events, "gqa_qkv")
+    assert fired(events, "rope") == 2
+    assert not any(n.target is DEQUANTIZE.default for n in rewrite_and_run.graph.nodes)
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
