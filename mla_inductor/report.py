@@ -16,6 +16,10 @@ Every case reports the fraction of its roofline: the larger of (weights + the KV
 copy bandwidth and FLOPs over the best oneDNN GEMM throughput this CPU has for the dtype (bf16 where
 oneDNN has it natively, else fp32: `isa.roof_gemm_dtype`), both measured in this run. Decode is mostly
 memory-bound; at batch 8 over a long cache the 22-head latent attention can make the FLOPs the bound.
+`--quant int8` quantizes the transformers models' Linears with torchao's `Int8WeightOnlyConfig`
+(per-channel int8 weights) before every variant: stock then runs Inductor's `_weight_int8pack_mm`,
+ours fuses what it fuses in bf16 over the int8 weights (patterns/quantized_linear.py).
+
 Results go to stdout and to reports/<name>.{json,md,png}.
 """
 
@@ -72,11 +76,13 @@ class Case:
     phase: str  # "decode" or "prefill"
     batch: int
     context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
+    quant: str = "none"  # "int8": the Linears' weights quantized by torchao (hf and llama)
 
     @property
     def label(self) -> str:
         what = f"ctx {self.context}" if self.phase == "decode" else f"{self.context} tok"
-        return f"{self.model} {self.phase} B={self.batch} {what}"
+        quant = "" if self.quant == "none" else f" {self.quant}"
+        return f"{self.model}{quant} {self.phase} B={self.batch} {what}"
 
 
 @dataclasses.dataclass
@@ -133,7 +139,7 @@ def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: in
 def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
     from .models.hf import build_hf_model  # needs transformers, which only the hf cases do
 
-    model = build_hf_model(config, arch="v3", dtype=dtype, seed=seed)
+    model = quantized(build_hf_model(config, arch="v3", dtype=dtype, seed=seed), case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
     linear = _matmul_weight_elements(model)
@@ -150,6 +156,16 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
     decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
     flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
+
+
+def quantized(model: torch.nn.Module, quant: str) -> torch.nn.Module:
+    """The model with its Linears' weights quantized as `quant` says ("none": as it is)."""
+    if quant == "int8":
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+        # set_inductor_config=False: the same Inductor options for every variant, as the report sets them
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    return model
 
 
 def _fill_static_cache(model, case: Case, gen) -> tuple[Callable, Callable[[], None], int, torch.Tensor]:
@@ -188,7 +204,7 @@ def llama_workload(shape: LlamaShape, case: Case, dtype: torch.dtype, seed: int 
         rope_theta=500000.0,
     )
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model = quantized(transformers.LlamaForCausalLM(config).to(dtype).eval(), case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
     linear = _matmul_weight_elements(model)
@@ -346,6 +362,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--quant", choices=("none", "int8"), default="none",
+                   help="int8: torchao's int8 weight-only Linears (transformers models only)")
     p.add_argument("--serving-config", default="deepseek-v3-tp22")
     p.add_argument("--hf-config", default="deepseek-v2-lite")
     p.add_argument("--layers", type=int, default=None, help="default: enough to exceed 160 MiB of weights")
@@ -360,14 +378,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
     models = ("serving", "hf", "llama") if args.model == "all" else (args.model,)
+    if args.quant != "none":
+        if args.model == "serving":
+            raise SystemExit("--quant: the serving model has no quantized form; use --model hf or llama")
+        models = tuple(m for m in models if m != "serving")
     phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)
     cases = []
     for model in models:
         for phase in phases:
             if phase == "decode":
-                cases += [Case(model, phase, b, c) for b in args.batch for c in args.context]
+                cases += [Case(model, phase, b, c, args.quant) for b in args.batch for c in args.context]
             else:
-                cases.append(Case(model, phase, 1, args.prefill_tokens))
+                cases.append(Case(model, phase, 1, args.prefill_tokens, args.quant))
     return cases
 
 
@@ -382,19 +404,20 @@ def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> ML
         return config.replace(num_layers=args.layers)
     one_layer = config.replace(num_layers=1, vocab_size=1)
     per_layer = (
-        weight_bytes(build_model(one_layer, dtype=dtype)) if model == "serving" else _hf_layer_bytes(one_layer, dtype)
+        weight_bytes(build_model(one_layer, dtype=dtype)) if model == "serving"
+        else _hf_layer_bytes(one_layer, 8 if args.quant == "int8" else torch.finfo(dtype).bits)
     )
     return config.replace(num_layers=_layers_for(per_layer))
 
 
-def _hf_layer_bytes(config: MLAConfig, dtype: torch.dtype) -> int:
+def _hf_layer_bytes(config: MLAConfig, bits: int) -> int:
     c = config
     q = c.hidden_size * c.num_heads * c.qk_head_dim if c.q_lora_rank is None else (
         c.hidden_size * c.q_lora_rank + c.q_lora_rank * c.num_heads * c.qk_head_dim)
     attn = q + c.hidden_size * c.latent_dim + c.kv_lora_rank * c.num_heads * (c.qk_nope_head_dim + c.v_head_dim)
     attn += c.num_heads * c.v_head_dim * c.hidden_size
     mlp = 3 * c.hidden_size * c.intermediate_size
-    return (attn + mlp) * torch.finfo(dtype).bits // 8
+    return (attn + mlp) * bits // 8
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
@@ -419,6 +442,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": args.dtype,
+        "quant": args.quant,
         "variants": list(args.variants),
         "stock_frozen_options": benchmarking.frozen_options(dtype),
         "configs": {m: dataclasses.asdict(c) for m, c in configs.items()},

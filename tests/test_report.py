@@ -2,7 +2,10 @@
 
 import json
 
+import torch
+
 from mla_inductor import report
+from mla_inductor.models import weight_bytes
 
 
 def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
@@ -35,3 +38,10 @@ def test_cases_follow_the_arguments():
         "serving decode B=1 ctx 1024",
         "serving decode B=8 ctx 1024",
     ]
+
+
+def test_int8_cases_are_the_transformers_models_with_torchao_weights():
+    args = report.parse_args(["--phase", "decode", "--batch", "1", "--context", "64", "--quant", "int8"])
+    assert [c.label for c in report.build_cases(args)] == ["hf int8 decode B=1 ctx 64", "llama int8 decode B=1 ctx 64"]
+    linear = report.quantized(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), "int8")
+    assert weight_bytes(linear) == 48 * 64 + 48 * (4 + 1)  # the int8 weight; per channel an fp32 scale, an int8 zero point

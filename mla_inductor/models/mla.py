@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .configs import MLAConfig, yarn_mscale
 
@@ -295,10 +296,19 @@ def make_block_tables(
     return order[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int64), num_blocks
 
 
+def stored_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds; a tensor subclass (torchao's quantized weights, which report the dtype
+    they compute in) by the tensors it wraps."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(stored_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
 def weight_bytes(model: nn.Module, exclude: Optional[Sequence[str]] = ("embed_tokens",)) -> int:
     """Bytes of the weights a decode step streams (the embedding is gathered, not streamed)."""
     return sum(
-        p.numel() * p.element_size()
+        stored_bytes(p)
         for name, p in model.named_parameters()
         if not any(name.startswith(e) for e in exclude or ())
     )
