@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 from torchao.quantization import Int8WeightOnlyConfig, PerGroup, quantize_
 
 import mla_inductor
-from graph_utils import declined, fired, greedy, rewrite_and_run, tiny_gqa_model
+from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
@@ -161,17 +161,47 @@ def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(de
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
 
 
-def test_llama_qkv_declines_int8_weights_and_every_linear_keeps_its_spelling():
-    """gqa_qkv's op takes its weights in the activation dtype only: with torchao's int8 weights it
-    declines, saying why, and the rotations fuse on their own."""
+def test_llama_fires_gqa_qkv_over_the_int8_weights_and_matches_eager():
+    """Compiled: the three int8 projections as one segmented GEMM reading them as they are (with the
+    norm and both rotations); o_proj and the MLP keep Inductor's `_weight_int8pack_mm`."""
     model = int8_weight_only(tiny_gqa_model("llama", torch.bfloat16, layers=1))
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
     with torch.no_grad():
         expected = fn(ids)
-    actual, events = rewrite_and_run(fn, ids)
-    assert fired(events, "gqa_qkv") == 0
-    assert any("quantized" in reason for reason in declined(events, "gqa_qkv")), declined(events, "gqa_qkv")
-    assert fired(events, "rope") == 2
-    assert not any(n.target is DEQUANTIZE.default for n in rewrite_and_run.graph.nodes)
+        actual, (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"), ids)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 1
+    assert "mi::nt_task_scaled(" in code and "const mi::WeightScales scales[S]" in code
+    assert "_weight_int8pack_mm" in code
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+def test_gqa_qkv_declines_block_scaled_weights():
+    """qkv_projection takes per-channel scales only."""
+    dequantize = torch.ops.mla.dequantize_weight.default
+    graph = torch.fx.Graph()
+    nodes = {}
+    for name in ("q_weight", "k_weight"):
+        w, scale = (graph.placeholder(f"{name}_{part}") for part in ("q", "scale"))
+        w.meta["val"] = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+        nodes[name] = graph.call_function(dequantize, (w, scale, [128, 128], torch.bfloat16))
+    reason = quantized_linear.decline_reason(nodes, per_channel_only=True)
+    assert reason is not None and "per-channel" in reason
+    assert quantized_linear.decline_reason(nodes, takes_quantized=False) is not None
+
+
+def test_qkv_projection_reference_with_int8_weights_against_fp64():
+    """gqa_qkv's GEMM op over per-channel int8 weights: the fp64 product of the dequantized weights,
+    plus bias, rounded once."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1, 3, 64, generator=g).to(torch.bfloat16)
+    weights, scales = zip(*(quantize_weight_int8(torch.randn(n, 64, generator=g)) for n in (32, 16, 16)))
+    bias = torch.randn(64, generator=g).to(torch.bfloat16)
+    out = torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales))
+    w = torch.cat([dequantize_fp64(q, s) for q, s in zip(weights, scales)])
+    expected = (x.double() @ w.T + bias.double()).to(torch.bfloat16)
+    torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
+    with pytest.raises(ValueError, match="weight_scales has 2 scales for 3 weights"):
+        torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales[:2]))

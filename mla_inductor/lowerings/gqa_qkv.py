@@ -19,10 +19,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class QkvProjectionTemplate(FusedOpTemplate):
     template_file = "gqa_qkv.cpp.j2"
 
-    def __init__(self, inputs: dict, segments: list, layout: ir.Layout, segment_rows: list[int], d_head: int,
-                 rotated_heads: int, output_layout: str) -> None:
-        super().__init__("mla_qkv_projection", {**inputs, **{f"W{i}": w for i, w in enumerate(segments)}}, layout)
-        self.segments, self.segment_rows = segments, segment_rows
+    def __init__(self, inputs: dict, segments: list, scales: list, layout: ir.Layout, segment_rows: list[int],
+                 d_head: int, rotated_heads: int, output_layout: str) -> None:
+        named = {**{f"W{i}": w for i, w in enumerate(segments)}, **{f"WS{i}": s for i, s in enumerate(scales)}}
+        super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
+        self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
 
     def headers(self) -> tuple[str, ...]:
@@ -40,6 +41,9 @@ class QkvProjectionTemplate(FusedOpTemplate):
             segments=self.segments,
             segment_rows=self.segment_rows,
             ld_segments=[kernel.stride(w, 0) for w in self.segments],
+            # int8 / fp8 weights: one scale per output channel each (nt_dot.h's WeightScales, 1 x K blocks)
+            weight_dtype=kernel.dtype(self.segments[0]) if self.scales else None,
+            weight_scales=self.scales,
             y_origin=[0] * len(self.layout.size),
             d_head=self.d_head,
             rotated_heads=self.rotated_heads,
@@ -47,10 +51,11 @@ class QkvProjectionTemplate(FusedOpTemplate):
         )
 
 
-def _template_can_serve(x, weights, cos) -> bool:
+def _template_can_serve(x, weights, cos, weight_scales) -> bool:
     if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
         return False
-    if x.get_dtype() not in SUPPORTED_DTYPES or any(w.get_dtype() != x.get_dtype() for w in weights):
+    weight_dtype = weights[0].get_dtype() if weight_scales is not None else x.get_dtype()
+    if x.get_dtype() not in SUPPORTED_DTYPES or any(w.get_dtype() != weight_dtype for w in weights):
         return False
     if cos is not None and cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
@@ -58,17 +63,20 @@ def _template_can_serve(x, weights, cos) -> bool:
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
-def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout):
+def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout,
+                         weight_scales=None):
     args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
     dims = guard_ints(dict(hidden=x.get_size()[-1]))
-    if dims is None or not _template_can_serve(x, weights, cos_cache):
-        return L.fallback_handler(OP, add_to_fallback_set=False)(*args)
+    if dims is None or not _template_can_serve(x, weights, cos_cache, weight_scales):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(*args, weight_scales=weight_scales)
     batch, seq, hidden = x.get_size()
     rows = batch * seq
     x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
     segment_rows = [int(w.get_size()[0]) for w in weights]
-    packed = packed_weights(x.get_dtype(), *weights)
+    # quantized weights stream as they are, one byte an element (segment_gemm.quantized_weights)
+    packed = packed_weights(x.get_dtype(), *weights) if weight_scales is None else None
     segments = [] if packed is not None else [realize_input(w) for w in weights]
+    scales = [realize_input(s, contiguous=True) for s in weight_scales or ()]
     as_rows = lambda t: None if t is None else L.view(realize_input(t, contiguous=True), [rows, d_head])  # noqa: E731
     inputs = {
         "X": realize_input(x2d),
@@ -81,4 +89,5 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
     size = [batch, seq, out_features] if output_layout == "BSD" else [out_features // d_head, batch, seq, d_head]
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
-    return QkvProjectionTemplate(inputs, segments, layout, segment_rows, d_head, rotated_heads, output_layout).select()
+    return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
+                                 output_layout).select()

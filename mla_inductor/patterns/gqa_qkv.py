@@ -115,7 +115,7 @@ def check(match: Match) -> Optional[str]:
     x = kw.get("x", kw.get("residual"))
     cos, q_weight, k_weight = kw["cos"], kw["q_weight"], kw["k_weight"]
     weights = {name: match.kwargs[name] for name in ("q_weight", "k_weight", "v_weight")}
-    quantized = decline_reason(weights, takes_quantized=False)
+    quantized = decline_reason(weights, per_channel_only=True)
     if quantized:
         return quantized
     if x.dim() != 3 or cos.dim() != 4 or cos.shape[1] != 1:

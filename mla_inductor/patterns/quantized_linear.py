@@ -161,8 +161,8 @@ def canonicalize(graph: Graph) -> int:
         canonical = _canonical(graph, node, x, weight, scale)
         canonical.meta[_ORIGIN] = origin
         node.replace_all_uses_with(canonical)
-        for dead in replaced:  # outputs first; a scale's cast another node reads stays
-            if not dead.users:
+        for dead in [*replaced, x]:  # outputs first; a node something else still reads stays
+            if not dead.users and dead.op == "call_function":
                 graph.erase_node(dead)
         rewritten += 1
     return rewritten
@@ -173,9 +173,11 @@ def _dequantized(node) -> Optional[Node]:
     return node if isinstance(node, Node) and node.target is DEQUANTIZE else None
 
 
-def decline_reason(weights: dict[str, Node], takes_quantized: bool = True) -> Optional[str]:
+def decline_reason(weights: dict[str, Node], takes_quantized: bool = True, per_channel_only: bool = False
+                   ) -> Optional[str]:
     """None if a fused op can take these weight nodes (by argument name), else why not: an op that
-    takes quantized weights needs all of them quantized alike or none; others need none."""
+    takes quantized weights needs all of them quantized alike or none (and, `per_channel_only`, with
+    per-channel scales); others need none."""
     quantized = {name: _dequantized(node) for name, node in weights.items()}
     names = [name for name, node in quantized.items() if node is not None]
     if not names:
@@ -187,6 +189,8 @@ def decline_reason(weights: dict[str, Node], takes_quantized: bool = True) -> Op
     formats = {(node.args[0].meta["val"].dtype, tuple(node.args[2] or ())) for node in quantized.values()}
     if len(formats) != 1:
         return f"{' and '.join(names)} are quantized differently ({sorted(map(str, formats))})"
+    if per_channel_only and any(node.args[2] is not None for node in quantized.values()):
+        return f"{' and '.join(names)} have block scales: the fused op takes per-channel scales only"
     return None
 
 
@@ -196,24 +200,37 @@ _QUANTIZED_WEIGHT_ARGS = {
     torch.ops.mla.qkv_a_proj.default: ((1, "q_weight_scale"), (2, "kv_weight_scale")),
     torch.ops.mla.q_b_absorb.default: ((1, "q_b_weight_scale"),),
 }
+# fused ops that take a list of weights (by position) with a list of per-channel scales (keyword)
+_QUANTIZED_WEIGHT_LISTS = {torch.ops.mla.qkv_projection.default: (1, "weight_scales")}
+
+
+def _fp32_scale(graph: Graph, node: Node, dequantized: Node) -> Node:
+    """The dequantized weight's scale as the fused ops take it: fp32, read ahead of `node`."""
+    scale = dequantized.args[1]
+    if scale.meta["val"].dtype == torch.float32:
+        return scale
+    return Emitter(graph, node)(prims.convert_element_type.default, scale, torch.float32)
 
 
 def fold(graph: Graph) -> int:
     """Fused ops reading dequantized weights take the quantized weight and its scale instead."""
     folded = 0
     for node in graph.nodes:
-        weight_args = _QUANTIZED_WEIGHT_ARGS.get(node.target)
-        if weight_args is None:
-            continue
-        for index, scale_kwarg in weight_args:
+        for index, scale_kwarg in _QUANTIZED_WEIGHT_ARGS.get(node.target, ()):
             dequantized = _dequantized(node.args[index])
             if dequantized is None:
                 continue
-            weight, scale, block_size, _ = dequantized.args
-            if scale.meta["val"].dtype != torch.float32:  # the fused ops take fp32 scales
-                scale = Emitter(graph, node)(prims.convert_element_type.default, scale, torch.float32)
-            node.update_arg(index, weight)
-            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block_size}
+            node.update_arg(index, dequantized.args[0])
+            node.kwargs = {**node.kwargs, scale_kwarg: _fp32_scale(graph, node, dequantized),
+                           "weight_block_size": dequantized.args[2]}
+            folded += 1
+        if node.target in _QUANTIZED_WEIGHT_LISTS:
+            index, scale_kwarg = _QUANTIZED_WEIGHT_LISTS[node.target]
+            dequantized = [_dequantized(w) for w in node.args[index]]
+            if any(d is None or d.args[2] is not None for d in dequantized):
+                continue  # the fusion's check declined mixed and block-scaled weights
+            node.update_arg(index, [d.args[0] for d in dequantized])
+            node.kwargs = {**node.kwargs, scale_kwarg: [_fp32_scale(graph, node, d) for d in dequantized]}
             folded += 1
     return folded
 
