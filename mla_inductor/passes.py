@@ -5,6 +5,8 @@ It is installed twice per compile:
   (freezing later packs weights into `mkldnn._linear_pointwise`); views there are `aten.view`;
 - as `post_grad_custom_post_pass`: without freezing; views there are `aten.reshape`.
 Each stage has its own PatternMatcherPass because patterns are traced differently for each.
+Quantized Linears are given one canonical form first and their spelling back after the fusions
+(patterns/quantized_linear.py).
 """
 
 from __future__ import annotations

@@ -356,7 +356,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("serving", "hf", "llama", "all"), default="all")
+    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "all"), default=["all"])
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
@@ -377,9 +377,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
-    models = ("serving", "hf", "llama") if args.model == "all" else (args.model,)
+    models = ("serving", "hf", "llama") if "all" in args.model else tuple(args.model)
     if args.quant != "none":
-        if args.model == "serving":
+        if "serving" in args.model:
             raise SystemExit("--quant: the serving model has no quantized form; use --model hf or llama")
         models = tuple(m for m in models if m != "serving")
     phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)

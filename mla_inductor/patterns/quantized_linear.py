@@ -4,8 +4,9 @@ fusions already match.
 Each spelling found is rewritten to `mm(x, permute(mla::dequantize_weight(w, scale, block, dtype)))`:
 a plain Linear whose weight is the dequantized one. Every fusion that matches a bf16 Linear then
 matches it unchanged, and `fold` hands the fused ops that take quantized weights (qkv_a_proj,
-q_b_absorb) the one-byte weight and its scales instead of the dequantized one: their templates
-read it as it is. A fusion whose op takes no quantized weight declines one (`decline_reason`).
+q_b_absorb, gqa_qkv's qkv_projection) the one-byte weight and its scales instead of the dequantized
+one: their templates read it as it is. A fusion declines weights its op cannot take as they are
+(`decline_reason`: one quantized and one not, or block scales where the op takes per-channel ones).
 
 What no fusion took gets its own spelling back (`restore`), node for node, so that Inductor's own
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
@@ -21,8 +22,8 @@ left to canonicalize.
 Spellings (verified on torch 2.13 with torchao 0.18):
 - torchao's int8 weight-only Linear (`Int8WeightOnlyConfig`, per-row scales):
   `mm(x, permute(w_int8).to(dtype)) * scale.to(dtype).view(N)`, in either operand order.
-  (Its group-wise form, `Int8WeightOnlyConfig(group_size=...)`, dequantizes the whole weight in the
-  graph first and is not matched.)
+  (Its group-wise form, `Int8WeightOnlyConfig(granularity=PerGroup(g))`, dequantizes the whole weight
+  in the graph first and is not matched.)
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from typing import Iterable, Optional
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES
 from .contraction import Emitter
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -169,7 +169,7 @@ def canonicalize(graph: Graph) -> int:
 
 
 def _dequantized(node) -> Optional[Node]:
-    """The `dequantize_weight` a fused op's weight argument is (through row slices), or None."""
+    """The `dequantize_weight` a fused op's weight argument is, or None."""
     return node if isinstance(node, Node) and node.target is DEQUANTIZE else None
 
 
@@ -277,4 +277,4 @@ def quantized_linears(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if _ORIGIN in n.meta]
 
 
-__all__ = ["QUANTIZED_WEIGHT_DTYPES", "canonicalize", "decline_reason", "fold", "quantized_linears", "restore"]
+__all__ = ["canonicalize", "decline_reason", "fold", "quantized_linears", "restore"]
