@@ -189,7 +189,8 @@ def test_gqa_qkv_declines_block_scaled_weights():
         nodes[name] = graph.call_function(dequantize, (w, scale, [128, 128], torch.bfloat16))
     reason = quantized_linear.decline_reason(nodes, per_channel_only=True)
     assert reason is not None and "per-channel" in reason
-    assert quantized_linear.decline_reason(nodes, takes_quantized=False) is not None
+    assert quantized_linear.decline_reason(nodes) is None  # quantized alike: qkv_a_proj takes them
+    assert "not" in quantized_linear.decline_reason({**nodes, "v_weight": graph.placeholder("v_weight")})
 
 
 def test_qkv_projection_reference_with_int8_weights_against_fp64():

@@ -25,7 +25,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from .quantized_linear import decline_reason
+from .quantized_linear import decline_reason, is_dequantized
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
@@ -181,8 +181,9 @@ def check(match: Match) -> Optional[str]:
         q_rows = kw["q_norm_weight"].shape[0]
         kw["q_weight"], kw["kv_weight"] = kw["weight"][:q_rows], kw["weight"][q_rows:]
     x = kw["x"]
-    weights = {name: match.kwargs[name] for name in ("q_weight", "kv_weight", "weight") if name in match.kwargs}
-    quantized = decline_reason(weights, takes_quantized="weight" not in weights)
+    if "weight" in match.kwargs and is_dequantized(match.kwargs["weight"]):
+        return "the concatenated q_a / kv_a weight is quantized: its row slices are not folded into the op yet"
+    quantized = decline_reason({name: match.kwargs[name] for name in ("q_weight", "kv_weight") if name in match.kwargs})
     if quantized:
         return quantized
     if not x.is_floating_point() or x.dim() not in (2, 3):

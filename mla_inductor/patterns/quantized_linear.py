@@ -173,17 +173,17 @@ def _dequantized(node) -> Optional[Node]:
     return node if isinstance(node, Node) and node.target is DEQUANTIZE else None
 
 
-def decline_reason(weights: dict[str, Node], takes_quantized: bool = True, per_channel_only: bool = False
-                   ) -> Optional[str]:
-    """None if a fused op can take these weight nodes (by argument name), else why not: an op that
-    takes quantized weights needs all of them quantized alike or none (and, `per_channel_only`, with
-    per-channel scales); others need none."""
+def is_dequantized(node) -> bool:
+    return _dequantized(node) is not None
+
+
+def decline_reason(weights: dict[str, Node], per_channel_only: bool = False) -> Optional[str]:
+    """None if a fused op can take these weight nodes (by argument name), else why not: all of them
+    quantized alike or none (and, `per_channel_only`, with per-channel scales)."""
     quantized = {name: _dequantized(node) for name, node in weights.items()}
     names = [name for name, node in quantized.items() if node is not None]
     if not names:
         return None
-    if not takes_quantized:
-        return f"{', '.join(names)} quantized: the fused op takes {' and '.join(weights)} in the activation dtype only"
     if len(names) != len(weights):
         return f"{' and '.join(names)} quantized, {' and '.join(set(weights) - set(names))} not: the op takes both alike"
     formats = {(node.args[0].meta["val"].dtype, tuple(node.args[2] or ())) for node in quantized.values()}
@@ -277,4 +277,4 @@ def quantized_linears(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if _ORIGIN in n.meta]
 
 
-__all__ = ["canonicalize", "decline_reason", "fold", "quantized_linears", "restore"]
+__all__ = ["canonicalize", "decline_reason", "fold", "is_dequantized", "quantized_linears", "restore"]
