@@ -10,7 +10,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, guard_ints, realize_input
-from .segment_gemm import packed_weights
+from .segment_gemm import packed_weights, quantized_options, quantized_weights
 
 OP = torch.ops.mla.qkv_projection.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -25,6 +25,13 @@ class QkvProjectionTemplate(FusedOpTemplate):
         super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
         self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
+
+    def _scale_options(self, kernel) -> list[dict]:
+        if not self.scales:
+            return []
+        quantized = quantized_weights(self.scales, None, "none")
+        options = quantized_options(kernel, quantized, **{f"w{i}": w for i, w in enumerate(self.segments)})
+        return [options[f"w{i}_scales"] for i in range(len(self.segments))]
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
@@ -41,9 +48,8 @@ class QkvProjectionTemplate(FusedOpTemplate):
             segments=self.segments,
             segment_rows=self.segment_rows,
             ld_segments=[kernel.stride(w, 0) for w in self.segments],
-            # int8 / fp8 weights: one scale per output channel each (nt_dot.h's WeightScales, 1 x K blocks)
-            weight_dtype=kernel.dtype(self.segments[0]) if self.scales else None,
-            weight_scales=self.scales,
+            # int8 / fp8 weights, one scale per output channel each: (scale input, nt_dot.h's WeightScales)
+            weight_scales=list(zip(self.scales, self._scale_options(kernel))),
             y_origin=[0] * len(self.layout.size),
             d_head=self.d_head,
             rotated_heads=self.rotated_heads,

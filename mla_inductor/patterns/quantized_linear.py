@@ -29,7 +29,7 @@ Spellings (verified on torch 2.13 with torchao 0.18):
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
@@ -50,34 +50,20 @@ class Origin:
     inputs: dict[str, Node]
 
 
-def _through(node: Node, targets: Iterable) -> Node:
-    """The first node up a chain of one-input ops of `targets`."""
-    targets = set(targets)
-    while node.op == "call_function" and node.target in targets:
-        node = node.args[0]
-    return node
-
-
 _SCALE_CHAIN = (aten.view.default, aten.reshape.default, prims.convert_element_type.default)
 
 
-def _per_channel_scale(scale: Node, rows: int) -> Optional[Node]:
-    """The source of a per-channel scale the graph reshapes and casts (a floating tensor of `rows`
-    values), or None."""
-    source = _through(scale, _SCALE_CHAIN)
-    val = source.meta.get("val")
+def _per_channel_scale(scale: Node, rows: int) -> Optional[tuple[Node, list[Node]]]:
+    """(the source, the reshapes and casts from it to `scale`) of a per-channel scale: a floating
+    tensor of `rows` values; or None."""
+    chain = []
+    while scale.op == "call_function" and scale.target in _SCALE_CHAIN:
+        chain.append(scale)
+        scale = scale.args[0]
+    val = scale.meta.get("val")
     if not isinstance(val, torch.Tensor) or not val.is_floating_point() or val.numel() != rows:
         return None
-    return source
-
-
-def _chain(node: Node, source: Node) -> list[Node]:
-    """The nodes from `source` (excluded) up to `node` along first arguments."""
-    nodes = []
-    while node is not source:
-        nodes.append(node)
-        node = node.args[0]
-    return nodes
+    return scale, chain
 
 
 def _int8_weight(node: Node) -> Optional[Node]:
@@ -104,10 +90,11 @@ def _torchao_int8_weight_only(mul: Node) -> Optional[tuple[Node, Node, Node, lis
         if weight is None:
             continue
         rows = weight.meta["val"].shape[0]
-        source = _per_channel_scale(scale, rows)
-        if source is None or list(scale.meta["val"].shape) != [rows]:
+        found = _per_channel_scale(scale, rows)
+        if found is None or list(scale.meta["val"].shape) != [rows]:
             continue
-        return x, weight, source, [mul, mm, cast, permute, *_chain(scale, source)]
+        source, chain = found
+        return x, weight, source, [mul, mm, cast, permute, *chain]
     return None
 
 
@@ -206,10 +193,7 @@ _QUANTIZED_WEIGHT_LISTS = {torch.ops.mla.qkv_projection.default: (1, "weight_sca
 
 def _fp32_scale(graph: Graph, node: Node, dequantized: Node) -> Node:
     """The dequantized weight's scale as the fused ops take it: fp32, read ahead of `node`."""
-    scale = dequantized.args[1]
-    if scale.meta["val"].dtype == torch.float32:
-        return scale
-    return Emitter(graph, node)(prims.convert_element_type.default, scale, torch.float32)
+    return Emitter(graph, node).cast(dequantized.args[1], torch.float32)
 
 
 def fold(graph: Graph) -> int:
