@@ -16,6 +16,7 @@ from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 from mla_inductor.patterns import quantized_linear
+from mla_inductor.quantization import BlockFp8Linear
 from quant_utils import dequantize_fp64
 
 DEQUANTIZE = torch.ops.mla.dequantize_weight
@@ -206,3 +207,97 @@ def test_qkv_projection_reference_with_int8_weights_against_fp64():
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="weight_scales has 2 scales for 3 weights"):
         torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales[:2]))
+
+
+# --- weight dequantizations, recognized by what they compute ------------------------------------------
+
+class DequantizingLinear(torch.nn.Module):
+    """A Linear whose forward dequantizes its one-byte weight by `dequantize(weight, scale)`."""
+
+    def __init__(self, weight, scale, dequantize):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.scale = torch.nn.Parameter(scale, requires_grad=False)
+        self.dequantize = dequantize
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.dequantize(self.weight, self.scale).to(x.dtype))
+
+
+def _by_expand(w, s):  # blocks that divide the weight: the scale broadcast over a blocked view
+    n, k = w.shape
+    return (w.float().view(s.shape[0], n // s.shape[0], s.shape[1], k // s.shape[1]) * s[:, None, :, None]).view(n, k)
+
+
+def _by_index(w, s):  # the scale gathered by block index (a partial last block)
+    rows, cols = torch.arange(w.shape[0]) // 16, torch.arange(w.shape[1]) // 32
+    return w.float() * s[rows][:, cols]
+
+
+def _with_bf16_scale(weight, scale):
+    return weight, scale.to(torch.bfloat16)
+
+
+def _fp8(rows, cols):
+    return quantize_weight_fp8_blocks(torch.randn(rows, cols), [16, 32])
+
+
+SPELLINGS = {  # name: (the Linear, the block size found)
+    "BlockFp8Linear (repeat_interleave, partial blocks)": (lambda: BlockFp8Linear(*_fp8(40, 72), [16, 32]), [16, 32]),
+    "blocked view and broadcast": (lambda: DequantizingLinear(*_fp8(48, 64), _by_expand), [16, 32]),
+    "gather by block index": (lambda: DequantizingLinear(*_fp8(40, 72), _by_index), [16, 32]),
+    "per channel, int8, transposed first": (  # torchao's fp8 weight-only spelling
+        lambda: DequantizingLinear(*quantize_weight_int8(torch.randn(40, 72)), lambda w, s: (w.t().float() * s.t()).t()),
+        None),
+    "per channel, int8, bf16 scale and multiply": (  # one rounding of an exact product: the same values
+        lambda: DequantizingLinear(*_with_bf16_scale(*quantize_weight_int8(torch.randn(40, 72))),
+                                   lambda w, s: w.to(torch.bfloat16) * s),
+        None),
+}
+
+
+def canonicalized_and_restored(fn, *args):
+    """(the block size of each dequantization canonicalize found, fn's output through the graph
+    `restore` gave back)."""
+    blocks = []
+
+    def compiler(gm, _):
+        quantized_linear.canonicalize(gm.graph)
+        blocks.extend(n.args[2] for n in gm.graph.nodes if n.target is DEQUANTIZE.default)
+        quantized_linear.restore(gm.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=aot_autograd(fw_compiler=compiler, decompositions=select_decomp_table()))(*args)
+    return blocks, out
+
+
+@pytest.mark.parametrize("spelling", list(SPELLINGS))
+def test_weight_dequantization_spellings_become_the_canonical_form_and_back(spelling):
+    """However the scales are expanded, a chain that reads only a one-byte weight and its scale and
+    computes dequantize_weight's values becomes that op; restored, the graph computes what it did."""
+    make_linear, block = SPELLINGS[spelling]
+    linear = make_linear()
+    x = torch.randn(3, linear.weight.shape[1]).to(torch.bfloat16)
+    blocks, out = canonicalized_and_restored(linear, x)
+    assert blocks == [block]
+    with torch.no_grad():
+        torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["scale rounded to bf16 first", "blocks in another order", "activation in the scale"])
+def test_weight_dequantization_not_canonicalized(case):
+    """A chain whose values differ from dequantize_weight's for every block size (another rounding,
+    another assignment of scales to blocks) or that reads more than the weight and its scale stays."""
+    weight, scale = _fp8(48, 64)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    expand = lambda s: s.repeat_interleave(16, 0).repeat_interleave(32, 1)  # noqa: E731
+    dequantize = {
+        "scale rounded to bf16 first": lambda w, s: w.to(torch.bfloat16) * expand(s.to(torch.bfloat16)),
+        "blocks in another order": lambda w, s: w.float() * expand(s.flip(0)),
+        "activation in the scale": lambda w, s: w.float() * expand(s * x.float().abs().amax()),
+    }[case]
+    assert canonicalized_and_restored(DequantizingLinear(weight, scale, dequantize), x)[0] == []

@@ -21,7 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear
 from .configs import MLAConfig, yarn_mscale
+
+QUANT = (None, "fp8")
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -118,19 +121,22 @@ class MLAAttention(nn.Module):
         self.o_proj = nn.Linear(H * config.v_head_dim, h, bias=False)
         self.scale = config.softmax_scale
 
+    def _kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight [H, qk_nope + v_head_dim, kv_lora_rank] in the model's dtype (an fp8 one
+        dequantized, as DeepSeek's absorbed decode does every step)."""
+        c = self.config
+        w = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype)
+        return w.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
+
     @property
     def w_kc(self) -> torch.Tensor:
         """[H, kv_lora_rank, qk_nope]: absorbs q_nope into latent space (Linear-style, out x in)."""
-        c = self.config
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        return w[:, : c.qk_nope_head_dim].transpose(1, 2)
+        return self._kv_b_weight()[:, : self.config.qk_nope_head_dim].transpose(1, 2)
 
     @property
     def w_vc(self) -> torch.Tensor:
         """[H, v_head_dim, kv_lora_rank]: de-absorbs the latent attention output (Linear-style)."""
-        c = self.config
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        return w[:, c.qk_nope_head_dim :]
+        return self._kv_b_weight()[:, self.config.qk_nope_head_dim :]
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> q_nope [T, H, nope], roped q_pe [T, H, rope], cache rows c_kv ‖ roped k_pe [T, L + R]."""
@@ -271,15 +277,33 @@ def init_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A Linear's weight as its GEMM reads it: an fp8 one dequantized to `dtype`."""
+    return linear.dequantized_weight(dtype) if isinstance(linear, BlockFp8Linear) else linear.weight
+
+
 def build_model(
     config: MLAConfig,
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     max_positions: int = 8192,
+    quant: Optional[str] = None,
+    block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
 ) -> MLAModel:
+    """quant="fp8": the attention Linears as a DeepSeek-V3 fp8 checkpoint holds them (e4m3 weights with
+    fp32 scales per `block_size` block, dequantized in the forward: quantization.BlockFp8Linear); the
+    embedding and the LM head stay in `dtype`, as in that checkpoint."""
+    if quant not in QUANT:
+        raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
     model = MLAModel(config, max_positions=max_positions)
     init_weights_(model, seed)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if quant == "fp8":
+        for layer in model.layers:
+            for name, module in list(layer.self_attn.named_children()):
+                if isinstance(module, nn.Linear):
+                    setattr(layer.self_attn, name, BlockFp8Linear.from_linear(module, block_size))
+    return model
 
 
 def make_block_tables(

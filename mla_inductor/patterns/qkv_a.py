@@ -25,7 +25,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from .quantized_linear import decline_reason, is_dequantized
+from .quantized_linear import decline_reason, row_split_reason
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
@@ -181,8 +181,9 @@ def check(match: Match) -> Optional[str]:
         q_rows = kw["q_norm_weight"].shape[0]
         kw["q_weight"], kw["kv_weight"] = kw["weight"][:q_rows], kw["weight"][q_rows:]
     x = kw["x"]
-    if "weight" in match.kwargs and is_dequantized(match.kwargs["weight"]):
-        return "the concatenated q_a / kv_a weight is quantized: its row slices are not folded into the op yet"
+    split = "weight" in match.kwargs and row_split_reason(match.kwargs["weight"], kw["q_norm_weight"].shape[0])
+    if split:
+        return split
     quantized = decline_reason({name: match.kwargs[name] for name in ("q_weight", "kv_weight") if name in match.kwargs})
     if quantized:
         return quantized

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
+from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES, dequantize_weight
 from .contraction import Emitter
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -136,9 +137,181 @@ def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -
     return emit(aten.mm.default, x, transposed)
 
 
+# Weight dequantizations are recognized by what they compute (`_dequantizations`): a chain of ops that
+# reads a one-byte weight and a scale and nothing else (no activation) is run once on probe values,
+# and taken when its result equals `dequantize_weight`'s bit for bit for some block size. So any
+# spelling of the expansion of block scales (repeat_interleave, expand and view, indexing) is found,
+# and one that rounds differently (a bf16 multiply, a scale inverted in the graph) is left alone.
+_SOURCE_OPS = ("placeholder", "get_attr")
+_PROBE_SEED = 0
+_ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK_SIZES = (128, 64, 32, 16, 256, 512)  # tried first: released checkpoints use 128 x 128
+
+
+def _sources(graph: Graph) -> dict[Node, frozenset]:
+    """Every node's graph inputs (placeholders, attributes) it is computed from, for nodes computed
+    deterministically from at most two of them (a probe of the pair reproduces them)."""
+    sources: dict[Node, frozenset] = {}
+    for node in graph.nodes:
+        if node.op in _SOURCE_OPS:
+            sources[node] = frozenset([node])
+        elif node.op == "call_function" and not node.is_impure() and not _seeded(node.target):
+            inputs = [sources.get(n) for n in node.all_input_nodes]
+            if all(s is not None for s in inputs):
+                merged = frozenset().union(*inputs)
+                if len(merged) <= 2:
+                    sources[node] = merged
+    return sources
+
+
+def _seeded(target) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(target, "tags", ())
+
+
+def _static_shape(node: Node) -> Optional[tuple[int, ...]]:
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or not all(isinstance(d, int) for d in val.shape):
+        return None
+    return tuple(val.shape)
+
+
+def _weight_and_scale(pair: frozenset) -> Optional[tuple[Node, Node]]:
+    """(weight, scale) of two graph inputs: a 2-D int8 / e4m3fn tensor and a floating one with fewer
+    values (one per channel or per block)."""
+    if len(pair) != 2:
+        return None
+    for weight, scale in (tuple(pair), tuple(pair)[::-1]):
+        w, s = weight.meta.get("val"), scale.meta.get("val")
+        if (isinstance(w, torch.Tensor) and w.dtype in QUANTIZED_WEIGHT_DTYPES and w.dim() == 2
+                and isinstance(s, torch.Tensor) and s.is_floating_point()
+                and _static_shape(weight) and _static_shape(scale) is not None and s.numel() < w.numel()):
+            return weight, scale
+    return None
+
+
+def _block_candidates(weight_shape: tuple[int, int], scale_shape: tuple[int, ...]) -> list[Optional[tuple[int, int]]]:
+    """The block sizes a scale of this shape may stand for; None is per output channel."""
+    n, k = weight_shape
+    if scale_shape in ((n,), (n, 1)):
+        return [None]
+    if len(scale_shape) != 2:
+        return []
+
+    def sizes(extent: int, blocks: int) -> list[int]:
+        found = [b for b in (*_BLOCK_SIZES, -(-extent // blocks)) if -(-extent // b) == blocks]
+        return list(dict.fromkeys(found))
+
+    return [(bn, bk) for bn in sizes(n, scale_shape[0]) for bk in sizes(k, scale_shape[1])]
+
+
+def _probe(node: Node, generator: torch.Generator) -> torch.Tensor:
+    """A value of a weight or scale's shape and dtype: every finite one-byte code, distinct scales."""
+    val = node.meta["val"]
+    if val.dtype == torch.int8:
+        return torch.randint(-128, 128, val.shape, generator=generator, dtype=torch.int8)
+    if val.dtype == torch.float8_e4m3fn:
+        codes = torch.randint(0, 256, val.shape, generator=generator, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # NaN codes: not a value a dequantization is judged by
+        return codes.view(torch.float8_e4m3fn)
+    return (torch.rand(val.shape, generator=generator) + 0.5).to(val.dtype)
+
+
+_dequantization_cache: dict[tuple, Optional[tuple]] = {}
+
+
+def _structure(graph: Graph) -> tuple:
+    """What a graph computes, apart from its node names: each node's op, target and arguments, nodes
+    by position (the same chain in every layer of a model is probed once)."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+
+    def as_key(arg):
+        return ("node", position[arg]) if isinstance(arg, Node) else repr(arg)
+
+    return tuple((n.op, str(n.target), repr(torch.fx.node.map_aggregate((n.args, n.kwargs), as_key)))
+                 for n in graph.nodes)
+
+
+def _identify(chain: Origin, weight: Node, scale: Node) -> Optional[tuple]:
+    """(block size, transposed) for which the chain computes `dequantize_weight`, or None."""
+    key = (_structure(chain.graph), _static_shape(weight), weight.meta["val"].dtype,
+           _static_shape(scale), scale.meta["val"].dtype)
+    if key not in _dequantization_cache:
+        _dequantization_cache[key] = None
+        with torch.utils._python_dispatch._disable_current_modes():  # real tensors inside a traced compile
+            generator = torch.Generator().manual_seed(_PROBE_SEED)
+            w, s = _probe(weight, generator), _probe(scale, generator)
+            result = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(w, s)
+            dtype = result.dtype
+            for block in _block_candidates(_static_shape(weight), _static_shape(scale)):
+                expected = dequantize_weight(w, s.float(), block).to(dtype)
+                for transposed, value in ((False, expected), (True, expected.T)):
+                    if result.shape == value.shape and torch.equal(result, value):
+                        _dequantization_cache[key] = (block, transposed)
+                        break
+                if _dequantization_cache[key] is not None:
+                    break
+    return _dequantization_cache[key]
+
+
+def _dequantizations(graph: Graph) -> int:
+    """Each chain that dequantizes a one-byte weight (see above) as `dequantize_weight`, its spelling
+    kept aside for `restore`."""
+    sources = _sources(graph)
+    rewritten = 0
+    for node in list(graph.nodes):
+        pair = _weight_and_scale(sources.get(node, frozenset()))
+        if node.op != "call_function" or node.target is DEQUANTIZE or pair is None:
+            continue
+        weight, scale = pair
+        shape, weight_shape = _static_shape(node), _static_shape(weight)
+        if shape not in (weight_shape, weight_shape[::-1]) or node.meta["val"].dtype not in _ACTIVATION_DTYPES:
+            continue
+        in_chain = [n for n in node.users if sources.get(n) == sources[node]]
+        if any(_static_shape(n) == shape for n in in_chain):
+            continue  # a later node of the chain (a cast, a copy) ends it
+        members = [a for a in _ancestors(node) if a.op == "call_function"]
+        if any(m.target is DEQUANTIZE for m in members):
+            continue  # the transpose of a chain already rewritten
+        if shape != weight_shape and any(_static_shape(m) == weight_shape and sources.get(m) == sources[node]
+                                         for m in members):
+            continue  # transposed after the [N, K] weight was computed: that is where the chain ends
+        chain = _snapshot(members, {"weight": weight, "scale": scale})
+        found = _identify(chain, weight, scale)
+        if found is None:
+            continue
+        block, transposed = found
+        emit = Emitter(graph, _after(graph, weight, scale), like=node)
+        dequantized = emit(DEQUANTIZE, weight, scale, list(block) if block else None, node.meta["val"].dtype)
+        if transposed:  # the origin is kept as the [N, K] weight the op stands for
+            with chain.graph.inserting_before(chain.graph.output_node()):
+                back = chain.graph.call_function(aten.permute.default, (chain.graph.output_node().args[0], [1, 0]))
+            chain.graph.output_node().args = (back,)
+        dequantized.meta[_ORIGIN] = chain
+        value = Emitter(graph, node, like=node)(aten.permute.default, dequantized, [1, 0]) if transposed else dequantized
+        node.replace_all_uses_with(value)
+        for dead in reversed(members):
+            if not dead.users:
+                graph.erase_node(dead)
+        rewritten += 1
+    return rewritten
+
+
+def _ancestors(node: Node) -> list[Node]:
+    """node and every node it reads, transitively, in graph order."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
 def canonicalize(graph: Graph) -> int:
     """Every spelling of a quantized Linear (module doc) as a plain Linear over its dequantized weight."""
-    rewritten = 0
+    # First the weight dequantizations: torchao's canonical form holds one (its Linear's is not a
+    # weight-only chain: the scale multiplies the product)
+    rewritten = _dequantizations(graph)
     for node in list(graph.nodes):
         found = _torchao_int8_weight_only(node)
         if found is None:
@@ -158,10 +331,6 @@ def canonicalize(graph: Graph) -> int:
 def _dequantized(node) -> Optional[Node]:
     """The `dequantize_weight` a fused op's weight argument is, or None."""
     return node if isinstance(node, Node) and node.target is DEQUANTIZE else None
-
-
-def is_dequantized(node) -> bool:
-    return _dequantized(node) is not None
 
 
 def decline_reason(weights: dict[str, Node], per_channel_only: bool = False) -> Optional[str]:
@@ -191,30 +360,68 @@ _QUANTIZED_WEIGHT_ARGS = {
 _QUANTIZED_WEIGHT_LISTS = {torch.ops.mla.qkv_projection.default: (1, "weight_scales")}
 
 
-def _fp32_scale(graph: Graph, node: Node, dequantized: Node) -> Node:
-    """The dequantized weight's scale as the fused ops take it: fp32, read ahead of `node`."""
-    return Emitter(graph, node).cast(dequantized.args[1], torch.float32)
+def _row_slice(node) -> Optional[tuple[Node, int, int]]:
+    """(the dequantized weight, first row, end row) of a row slice of one (the q_a and kv_a parts of
+    their concatenated weight), or None."""
+    if not (isinstance(node, Node) and node.target is aten.slice.Tensor):
+        return None
+    defaults = (None, 0, 0, None, 1)  # slice.Tensor(self, dim, start, end, step)
+    source, dim, start, end, step = (*node.args, *defaults[len(node.args):])
+    if _dequantized(source) is None or dim != 0 or step != 1 or not isinstance(start, int):
+        return None
+    rows = _static_shape(source)[0]
+    return source, start, rows if end is None else min(end, rows)
+
+
+def row_split_reason(weight: Node, rows: int) -> Optional[str]:
+    """None if a fused op can take the first `rows` rows of `weight` and the rest as two weights:
+    it is not quantized, or its scale blocks do not straddle the boundary."""
+    dequantized = _dequantized(weight)
+    block = dequantized.args[2] if dequantized is not None else None
+    if block is not None and rows % block[0] != 0:
+        return f"the concatenated weight's scale blocks of {block[0]} rows straddle its split at row {rows}"
+    return None
+
+
+def _quantized_operand(graph: Graph, node: Node, operand) -> Optional[tuple[Node, Node, Optional[list]]]:
+    """(one-byte weight, fp32 scale, block size) a fused op `node` reads in place of `operand` (a
+    dequantized weight or a row slice of one), emitted ahead of `node`; or None."""
+    emit = Emitter(graph, node)
+    dequantized = _dequantized(operand)
+    if dequantized is not None:
+        weight, scale, block, _ = dequantized.args
+        return weight, emit.cast(scale, torch.float32), block
+    sliced = _row_slice(operand)
+    if sliced is None:
+        return None
+    dequantized, start, end = sliced
+    weight, scale, block, _ = dequantized.args
+    block_rows = block[0] if block else 1  # checked by row_split_reason: a slice starts at a block
+    scale_rows = (start // block_rows, -(-end // block_rows))
+    return (emit(aten.slice.Tensor, weight, 0, start, end),
+            emit(aten.slice.Tensor, emit.cast(scale, torch.float32), 0, *scale_rows), block)
 
 
 def fold(graph: Graph) -> int:
     """Fused ops reading dequantized weights take the quantized weight and its scale instead."""
     folded = 0
-    for node in graph.nodes:
+    for node in list(graph.nodes):
         for index, scale_kwarg in _QUANTIZED_WEIGHT_ARGS.get(node.target, ()):
-            dequantized = _dequantized(node.args[index])
-            if dequantized is None:
+            quantized = _quantized_operand(graph, node, node.args[index])
+            if quantized is None:
                 continue
-            node.update_arg(index, dequantized.args[0])
-            node.kwargs = {**node.kwargs, scale_kwarg: _fp32_scale(graph, node, dequantized),
-                           "weight_block_size": dequantized.args[2]}
+            weight, scale, block = quantized
+            node.update_arg(index, weight)
+            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block}
             folded += 1
         if node.target in _QUANTIZED_WEIGHT_LISTS:
             index, scale_kwarg = _QUANTIZED_WEIGHT_LISTS[node.target]
             dequantized = [_dequantized(w) for w in node.args[index]]
             if any(d is None or d.args[2] is not None for d in dequantized):
                 continue  # the fusion's check declined mixed and block-scaled weights
-            node.update_arg(index, [d.args[0] for d in dequantized])
-            node.kwargs = {**node.kwargs, scale_kwarg: [_fp32_scale(graph, node, d) for d in dequantized]}
+            quantized = [_quantized_operand(graph, node, d) for d in dequantized]
+            node.update_arg(index, [weight for weight, _, _ in quantized])
+            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, _ in quantized]}
             folded += 1
     return folded
 
@@ -251,9 +458,19 @@ def restore(graph: Graph) -> int:
     for node in list(graph.nodes):
         if node.target is DEQUANTIZE:
             if node.users:
-                node.replace_all_uses_with(_dequantize_in_aten(graph, node))
+                node.replace_all_uses_with(_spelled(graph, node))
             graph.erase_node(node)
     return restored
+
+
+def _spelled(graph: Graph, dequantized: Node) -> Node:
+    """A dequantized weight as the model computed it, or else as the aten ops it stands for."""
+    origin = dequantized.meta.get(_ORIGIN)
+    if origin is None:
+        return _dequantize_in_aten(graph, dequantized)
+    current = {"weight": dequantized.args[0], "scale": dequantized.args[1]}
+    with graph.inserting_before(dequantized):
+        return graph.graph_copy(origin.graph, {origin.inputs[k]: current[k] for k in origin.inputs})
 
 
 def quantized_linears(graph: Graph) -> list[Node]:
@@ -261,4 +478,4 @@ def quantized_linears(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if _ORIGIN in n.meta]
 
 
-__all__ = ["canonicalize", "decline_reason", "fold", "is_dequantized", "quantized_linears", "restore"]
+__all__ = ["canonicalize", "decline_reason", "fold", "quantized_linears", "restore", "row_split_reason"]
