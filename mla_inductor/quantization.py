@@ -110,6 +110,19 @@ def keep_fp8_weights_(model: nn.Module, state_dict: Optional[Mapping[str, Tensor
     return replaced
 
 
+def quantize_fp8_(model: nn.Module, block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
+                  exclude: Sequence[str] = ("lm_head",)) -> list[str]:
+    """Every Linear of the model (but those named in or under `exclude`) quantized to fp8 blocks as a
+    released checkpoint holds it, in place: for models built from a config with random weights,
+    standing for the checkpoint. Returns the names."""
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and not any(name == e or name.startswith(f"{e}.") for e in exclude):
+            _set_submodule(model, name, BlockFp8Linear.from_linear(module, block_size))
+            replaced.append(name)
+    return replaced
+
+
 def _is_fp8(tensor) -> bool:
     return isinstance(tensor, Tensor) and tensor.dtype == torch.float8_e4m3fn and tensor.dim() == 2
 
@@ -123,4 +136,4 @@ def _fail(message: str) -> None:
     raise ValueError(f"BlockFp8Linear: {message}")
 
 
-__all__ = ["BlockFp8Linear", "DEFAULT_BLOCK_SIZE", "keep_fp8_weights_"]
+__all__ = ["BlockFp8Linear", "DEFAULT_BLOCK_SIZE", "keep_fp8_weights_", "quantize_fp8_"]

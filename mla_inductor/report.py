@@ -19,6 +19,9 @@ memory-bound; at batch 8 over a long cache the 22-head latent attention can make
 `--quant int8` quantizes the transformers models' Linears with torchao's `Int8WeightOnlyConfig`
 (per-channel int8 weights) before every variant: stock then runs Inductor's `_weight_int8pack_mm`,
 ours fuses what it fuses in bf16 over the int8 weights (patterns/quantized_linear.py).
+`--quant fp8` gives the DeepSeek models' Linears (but the LM head) DeepSeek-V3's fp8 format, 128 x 128
+blocks dequantized in the forward (quantization.BlockFp8Linear): stock-frozen folds them into bf16
+constants, ours reads the fused projections' fp8 weights in their kernels.
 
 Results go to stdout and to reports/<name>.{json,md,png}.
 """
@@ -41,6 +44,7 @@ from . import benchmarking, isa
 from .record import fusion_counts, reset_counts
 from .models import build_model, get_config, make_block_tables, weight_bytes
 from .models.configs import MLAConfig
+from .quantization import BlockFp8Linear, quantize_fp8_
 
 VARIANTS = ("eager", "stock", "stock-frozen", "mla_inductor")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -110,11 +114,11 @@ def _attention_flops(config: MLAConfig, batch: int, new_tokens: int, context: in
 
 
 def _matmul_weight_elements(module: torch.nn.Module) -> int:
-    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, (torch.nn.Linear, BlockFp8Linear)))
 
 
 def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
-    model = build_model(config, dtype=dtype, seed=seed)
+    model = build_model(config, dtype=dtype, seed=seed, quant=None if case.quant == "none" else case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
     block_tables, num_blocks = make_block_tables(b, ctx, BLOCK_SIZE, seed=seed)
@@ -165,6 +169,8 @@ def quantized(model: torch.nn.Module, quant: str) -> torch.nn.Module:
 
         # set_inductor_config=False: the same Inductor options for every variant, as the report sets them
         quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    elif quant == "fp8":
+        quantize_fp8_(model)
     return model
 
 
@@ -362,8 +368,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--quant", choices=("none", "int8"), default="none",
-                   help="int8: torchao's int8 weight-only Linears (transformers models only)")
+    p.add_argument("--quant", choices=("none", "int8", "fp8"), default="none",
+                   help="int8: torchao's int8 weight-only Linears (transformers models only); "
+                        "fp8: DeepSeek-V3's 128 x 128 block fp8 Linears (DeepSeek models only)")
     p.add_argument("--serving-config", default="deepseek-v3-tp22")
     p.add_argument("--hf-config", default="deepseek-v2-lite")
     p.add_argument("--layers", type=int, default=None, help="default: enough to exceed 160 MiB of weights")
@@ -379,9 +386,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def build_cases(args: argparse.Namespace) -> list[Case]:
     models = ("serving", "hf", "llama") if "all" in args.model else tuple(args.model)
     if args.quant != "none":
-        if "serving" in args.model:
-            raise SystemExit("--quant: the serving model has no quantized form; use --model hf or llama")
-        models = tuple(m for m in models if m != "serving")
+        unquantized = {"int8": "serving", "fp8": "llama"}[args.quant]  # models without this form
+        if unquantized in args.model:
+            raise SystemExit(f"--quant {args.quant}: the {unquantized} model has no such form")
+        models = tuple(m for m in models if m != unquantized)
     phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)
     cases = []
     for model in models:
@@ -404,8 +412,8 @@ def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> ML
         return config.replace(num_layers=args.layers)
     one_layer = config.replace(num_layers=1, vocab_size=1)
     per_layer = (
-        weight_bytes(build_model(one_layer, dtype=dtype)) if model == "serving"
-        else _hf_layer_bytes(one_layer, 8 if args.quant == "int8" else torch.finfo(dtype).bits)
+        weight_bytes(build_model(one_layer, dtype=dtype, quant=None if args.quant == "none" else args.quant))
+        if model == "serving" else _hf_layer_bytes(one_layer, 8 if args.quant != "none" else torch.finfo(dtype).bits)
     )
     return config.replace(num_layers=_layers_for(per_layer))
 

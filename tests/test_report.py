@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 
 from mla_inductor import report
@@ -47,3 +48,12 @@ def test_int8_cases_are_the_transformers_models_with_torchao_weights():
     assert [c.label for c in report.build_cases(args)] == ["hf int8 decode B=1 ctx 64", "llama int8 decode B=1 ctx 64"]
     linear = report.quantized(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16), "int8")
     assert weight_bytes(linear) == 48 * 64 + 48 * (4 + 1)  # the int8 weight; per channel an fp32 scale, an int8 zero point
+
+
+def test_fp8_cases_are_the_deepseek_models_with_block_fp8_linears():
+    args = report.parse_args(["--phase", "decode", "--batch", "1", "--context", "64", "--quant", "fp8"])
+    assert [c.label for c in report.build_cases(args)] == ["serving fp8 decode B=1 ctx 64", "hf fp8 decode B=1 ctx 64"]
+    with pytest.raises(SystemExit, match="llama"):
+        report.build_cases(report.parse_args(["--model", "llama", "--quant", "fp8"]))
+    model = report.quantized(torch.nn.Sequential(torch.nn.Linear(256, 200, bias=False)).to(torch.bfloat16), "fp8")
+    assert weight_bytes(model) == 200 * 256 + 2 * 2 * 4  # the fp8 weight; an fp32 scale per 128 x 128 block

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear
+from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear, quantize_fp8_
 from .configs import MLAConfig, yarn_mscale
 
 QUANT = (None, "fp8")
@@ -299,10 +299,7 @@ def build_model(
     init_weights_(model, seed)
     model = model.to(dtype).eval()
     if quant == "fp8":
-        for layer in model.layers:
-            for name, module in list(layer.self_attn.named_children()):
-                if isinstance(module, nn.Linear):
-                    setattr(layer.self_attn, name, BlockFp8Linear.from_linear(module, block_size))
+        quantize_fp8_(model, block_size)
     return model
 
 
