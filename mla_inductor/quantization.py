@@ -1,5 +1,6 @@
-"""Keeping a model's fp8 weights fp8 on CPU: Linears over float8_e4m3fn weights with fp32 block scales
-(DeepSeek-V3 / R1's released format) whose forward dequantizes the weight in plain PyTorch.
+"""Quantized Linears written in plain PyTorch: keeping a model's fp8 weights fp8 on CPU (Linears over
+float8_e4m3fn weights with fp32 block scales, DeepSeek-V3 / R1's released format, whose forward
+dequantizes the weight), and SGLang's int8 W8A8 Linear as serving code spells it (`W8A8Linear`).
 
 transformers loads an fp8 DeepSeek checkpoint on CPU only by dequantizing it to bf16 at load time, and
 its `FP8Linear` forward runs GPU kernels. `BlockFp8Linear` holds the checkpoint's tensors as they are
@@ -22,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops.weight_quant import check_quantized_weight, quantize_weight_fp8_blocks
+from .ops.weight_quant import (INT8_MAX, INT8_MIN_ABSMAX, check_quantized_weight, quantize_weight_fp8_blocks,
+                                quantize_weight_int8)
 
 DEFAULT_BLOCK_SIZE = (128, 128)
 
@@ -75,6 +77,36 @@ class BlockFp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, block_size={self.block_size}"
 
 
+class W8A8Linear(nn.Module):
+    """SGLang's int8 W8A8 Linear spelled in PyTorch, as serving code without its kernel runs it: x
+    quantized per token (absmax / 127, round half to even), `torch._int_mm` with the int8 weight, the
+    int32 product times the token's scale and the channel's (`weight_scale` [N, 1] fp32), one rounding."""
+
+    def __init__(self, weight: Tensor, weight_scale: Tensor, bias: Optional[Tensor] = None) -> None:
+        super().__init__()
+        if weight.dtype != torch.int8:
+            raise ValueError(f"W8A8Linear: weight must be int8, got {weight.dtype}")
+        check_quantized_weight(_fail, "weight", weight, "weight_scale", weight_scale, None, "int8", torch.bfloat16)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        absmax = rows.float().abs().amax(-1, keepdim=True).clamp(min=INT8_MIN_ABSMAX)
+        quantized = torch.round(rows.float() * (INT8_MAX / absmax)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+        product = torch._int_mm(quantized, self.weight.t()).float()
+        y = (product * (absmax / INT8_MAX) * self.weight_scale.view(1, -1)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], -1)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "W8A8Linear":
+        weight, scale = quantize_weight_int8(linear.weight.detach())
+        return cls(weight, scale, None if linear.bias is None else linear.bias.detach())
+
+
 def keep_fp8_weights_(model: nn.Module, state_dict: Optional[Mapping[str, Tensor]] = None,
                       block_size: Sequence[int] = DEFAULT_BLOCK_SIZE) -> list[str]:
     """Turns the model's fp8 Linears into `BlockFp8Linear`s, in place; returns their names.
@@ -115,10 +147,20 @@ def quantize_fp8_(model: nn.Module, block_size: Sequence[int] = DEFAULT_BLOCK_SI
     """Every Linear of the model (but those named in or under `exclude`) quantized to fp8 blocks as a
     released checkpoint holds it, in place: for models built from a config with random weights,
     standing for the checkpoint. Returns the names."""
+    return _replace_linears(model, lambda linear: BlockFp8Linear.from_linear(linear, block_size), exclude)
+
+
+def quantize_w8a8_(model: nn.Module, exclude: Sequence[str] = ("lm_head",)) -> list[str]:
+    """Every Linear of the model (but `exclude`) as SGLang's W8A8 holds it (int8 weights, absmax / 127
+    per channel), in place. Returns the names."""
+    return _replace_linears(model, W8A8Linear.from_linear, exclude)
+
+
+def _replace_linears(model: nn.Module, make, exclude: Sequence[str]) -> list[str]:
     replaced = []
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Linear) and not any(name == e or name.startswith(f"{e}.") for e in exclude):
-            _set_submodule(model, name, BlockFp8Linear.from_linear(module, block_size))
+            _set_submodule(model, name, make(module))
             replaced.append(name)
     return replaced
 
@@ -136,4 +178,4 @@ def _fail(message: str) -> None:
     raise ValueError(f"BlockFp8Linear: {message}")
 
 
-__all__ = ["BlockFp8Linear", "DEFAULT_BLOCK_SIZE", "keep_fp8_weights_", "quantize_fp8_"]
+__all__ = ["BlockFp8Linear", "DEFAULT_BLOCK_SIZE", "W8A8Linear", "keep_fp8_weights_", "quantize_fp8_", "quantize_w8a8_"]

@@ -1,6 +1,7 @@
-"""Fp8 weights kept fp8 (quantization.py): BlockFp8Linear against fp64, keep_fp8_weights_ on a
-checkpoint's tensors and on transformers' FP8Linear, and the serving model's and transformers
-DeepSeek's fp8 projections through the fusions, whose kernels read the fp8 weights."""
+"""Quantized Linears in plain PyTorch (quantization.py): BlockFp8Linear and W8A8Linear against fp64,
+keep_fp8_weights_ on a checkpoint's tensors and on transformers' FP8Linear, and the serving model's
+(fp8, W8A8) and transformers DeepSeek's (fp8) projections through the fusions, whose kernels read
+the one-byte weights."""
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from graph_utils import fired, rewrite_and_run
 from mla_inductor.models import build_model, get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks
-from mla_inductor.quantization import BlockFp8Linear, keep_fp8_weights_
-from quant_utils import dequantize_fp64
+from mla_inductor.quantization import BlockFp8Linear, W8A8Linear, keep_fp8_weights_
+from quant_utils import dequantize_fp64, quantize_rows_int8_fp64
 
 FP8 = torch.float8_e4m3fn
 
@@ -105,6 +106,37 @@ def test_serving_fp8_decode_compiled_frozen_keeps_the_fused_weights_fp8():
         assert counts[fusion] == config.num_layers, counts
     code = "\n".join(code)
     assert "mi::nt_task_scaled(" in code and "const at::Float8_e4m3fn* wqb" in code, code
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+def test_w8a8_linear_against_fp64():
+    """SGLang's W8A8 in PyTorch: x quantized per token (absmax / 127), the integer product times both
+    scales, rounded once."""
+    g = torch.Generator().manual_seed(1)
+    linear = W8A8Linear.from_linear(torch.nn.Linear(72, 40, bias=False))
+    x = torch.randn(2, 3, 72, generator=g).to(torch.bfloat16)
+    w = dequantize_fp64(linear.weight, linear.weight_scale)
+    expected = (quantize_rows_int8_fp64(x) @ w.T).to(torch.bfloat16)
+    torch.testing.assert_close(linear(x), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_serving_w8a8_decode_fuses_the_input_chain_with_int8_activations():
+    """The serving model with SGLang's W8A8 Linears (graph level): qkv_a_proj and q_b_absorb read the
+    int8 weights and quantize their inputs per token as the Linears did (activation_quant="int8"),
+    the concatenated weight split with its scale rows; the whole chain and the latent attention fuse."""
+    config = get_config("tiny", num_layers=2)
+    model = build_model(config, quant="int8")
+    ids, caches, block_tables, lens = _decode_inputs(model)
+    with torch.no_grad():
+        expected = model.forward_decode(ids, [c.clone() for c in caches], block_tables, lens)
+    actual, events = rewrite_and_run(model.forward_decode, ids, caches, block_tables, lens)
+    for fusion in ("qkv_proj_with_rope", "qkv_a_proj", "q_b_absorb", "mla_decode"):
+        assert fired(events, fusion) == config.num_layers, fusion
+    fused = [n for n in rewrite_and_run.graph.nodes
+             if n.target in (torch.ops.mla.qkv_a_proj.default, torch.ops.mla.q_b_absorb.default)]
+    assert len(fused) == 2 * config.num_layers
+    for node in fused:
+        assert node.args[1].meta["val"].dtype == torch.int8 and node.kwargs["activation_quant"] == "int8"
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 

@@ -16,7 +16,7 @@ from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 from mla_inductor.patterns import quantized_linear
-from mla_inductor.quantization import BlockFp8Linear
+from mla_inductor.quantization import BlockFp8Linear, W8A8Linear
 from quant_utils import dequantize_fp64
 
 DEQUANTIZE = torch.ops.mla.dequantize_weight
@@ -179,8 +179,8 @@ def test_llama_fires_gqa_qkv_over_the_int8_weights_and_matches_eager():
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 
-def test_gqa_qkv_declines_block_scaled_weights():
-    """qkv_projection takes per-channel scales only."""
+def test_gqa_qkv_declines_block_scaled_and_w8a8_weights():
+    """qkv_projection takes per-channel weight-only scales."""
     dequantize = torch.ops.mla.dequantize_weight.default
     graph = torch.fx.Graph()
     nodes = {}
@@ -191,6 +191,10 @@ def test_gqa_qkv_declines_block_scaled_weights():
     reason = quantized_linear.decline_reason(nodes, per_channel_only=True)
     assert reason is not None and "per-channel" in reason
     assert quantized_linear.decline_reason(nodes) is None  # quantized alike: qkv_a_proj takes them
+    for node in nodes.values():
+        node.args = (node.args[0], node.args[1], None, node.args[3])
+        node.meta["mla_activation_quant"] = "int8"
+    assert "W8A8" in quantized_linear.decline_reason(nodes, per_channel_only=True)
     assert "not" in quantized_linear.decline_reason({**nodes, "v_weight": graph.placeholder("v_weight")})
 
 
@@ -257,13 +261,14 @@ SPELLINGS = {  # name: (the Linear, the block size found)
 
 
 def canonicalized_and_restored(fn, *args):
-    """(the block size of each dequantization canonicalize found, fn's output through the graph
-    `restore` gave back)."""
+    """(the block size and activation quantization of each dequantization canonicalize found, fn's
+    output through the graph `restore` gave back)."""
     blocks = []
 
     def compiler(gm, _):
         quantized_linear.canonicalize(gm.graph)
-        blocks.extend(n.args[2] for n in gm.graph.nodes if n.target is DEQUANTIZE.default)
+        blocks.extend((n.args[2], quantized_linear._activation_quant(n))
+                      for n in gm.graph.nodes if n.target is DEQUANTIZE.default)
         quantized_linear.restore(gm.graph)
         gm.graph.eliminate_dead_code()
         gm.recompile()
@@ -283,7 +288,7 @@ def test_weight_dequantization_spellings_become_the_canonical_form_and_back(spel
     linear = make_linear()
     x = torch.randn(3, linear.weight.shape[1]).to(torch.bfloat16)
     blocks, out = canonicalized_and_restored(linear, x)
-    assert blocks == [block]
+    assert blocks == [(block, "none")]
     with torch.no_grad():
         torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
 
@@ -301,3 +306,29 @@ def test_weight_dequantization_not_canonicalized(case):
         "activation in the scale": lambda w, s: w.float() * expand(s * x.float().abs().amax()),
     }[case]
     assert canonicalized_and_restored(DequantizingLinear(weight, scale, dequantize), x)[0] == []
+
+
+def _torchao_activation_scheme(x, weight, scale):
+    """W8A8 as torchao quantizes activations: absmax / 127.5, down to -128."""
+    absmax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-7)
+    q = torch.round(x.float() * (127.5 / absmax)).clamp(-128, 127).to(torch.int8)
+    return (torch._int_mm(q, weight.t()).float() * (absmax / 127.5) * scale.view(1, -1)).to(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 20])
+def test_sglang_w8a8_linear_becomes_the_canonical_form_and_back(rows):
+    """Serving code's W8A8 Linear (per-token quantize, `_int_mm`, both scales) becomes the canonical
+    Linear marked W8A8, so that the fused ops quantize x as it did; restored, it computes what it did."""
+    linear = W8A8Linear.from_linear(torch.nn.Linear(64, 48, bias=False))
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    found, out = canonicalized_and_restored(linear, x)
+    assert found == [(None, "int8")]
+    with torch.no_grad():
+        torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
+
+
+def test_another_activation_scheme_is_not_sglangs_w8a8():
+    """torchao's activation quantization (absmax / 127.5) is another op: not canonicalized as W8A8."""
+    weight, scale = quantize_weight_int8(torch.randn(48, 64))
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    assert canonicalized_and_restored(lambda x: _torchao_activation_scheme(x, weight, scale), x)[0] == []

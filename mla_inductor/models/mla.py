@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear, quantize_fp8_
+from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear, W8A8Linear, quantize_fp8_, quantize_w8a8_
 from .configs import MLAConfig, yarn_mscale
 
-QUANT = (None, "fp8")
+QUANT = (None, "fp8", "int8")
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -278,8 +278,13 @@ def init_weights_(model: nn.Module, seed: int) -> nn.Module:
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """A Linear's weight as its GEMM reads it: an fp8 one dequantized to `dtype`."""
-    return linear.dequantized_weight(dtype) if isinstance(linear, BlockFp8Linear) else linear.weight
+    """A Linear's weight as its GEMM reads it: a quantized one dequantized to `dtype` (W8A8's kv_b_proj
+    as SGLang's loader turns it into bf16 W_kc / W_vc)."""
+    if isinstance(linear, BlockFp8Linear):
+        return linear.dequantized_weight(dtype)
+    if isinstance(linear, W8A8Linear):
+        return (linear.weight.float() * linear.weight_scale).to(dtype)
+    return linear.weight
 
 
 def build_model(
@@ -291,8 +296,9 @@ def build_model(
     block_size: Sequence[int] = DEFAULT_BLOCK_SIZE,
 ) -> MLAModel:
     """quant="fp8": the attention Linears as a DeepSeek-V3 fp8 checkpoint holds them (e4m3 weights with
-    fp32 scales per `block_size` block, dequantized in the forward: quantization.BlockFp8Linear); the
-    embedding and the LM head stay in `dtype`, as in that checkpoint."""
+    fp32 scales per `block_size` block, dequantized in the forward: quantization.BlockFp8Linear);
+    quant="int8": as SGLang's W8A8 (int8 weights per channel, activations quantized per token:
+    quantization.W8A8Linear). The embedding and the LM head stay in `dtype`, as in those checkpoints."""
     if quant not in QUANT:
         raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
     model = MLAModel(config, max_positions=max_positions)
@@ -300,6 +306,8 @@ def build_model(
     model = model.to(dtype).eval()
     if quant == "fp8":
         quantize_fp8_(model, block_size)
+    elif quant == "int8":
+        quantize_w8a8_(model)
     return model
 
 

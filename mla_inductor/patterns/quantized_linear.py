@@ -34,7 +34,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES, dequantize_weight
+from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows_int8
 from .contraction import Emitter
 
 aten, prims = torch.ops.aten, torch.ops.prims
@@ -99,15 +99,16 @@ def _torchao_int8_weight_only(mul: Node) -> Optional[tuple[Node, Node, Node, lis
     return None
 
 
-def _snapshot(nodes: list[Node], inputs: dict[str, Node]) -> Origin:
-    """The nodes (any order) copied into a graph of their own, reading `inputs` as placeholders."""
+def _snapshot(nodes: list[Node], inputs: dict[str, Node], also: Optional[Node] = None) -> Origin:
+    """The nodes (any order) copied into a graph of their own, reading `inputs` as placeholders; its
+    output is the last of them (and `also`, as a second output)."""
     graph = Graph()
     env = {node: graph.placeholder(name) for name, node in inputs.items()}
     members = set(nodes)
     order = [n for n in nodes[0].graph.nodes if n in members]
     for node in order:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[order[-1]])
+    graph.output(env[order[-1]] if also is None else (env[order[-1]], env[also]))
     return Origin(graph, {name: env[node] for name, node in inputs.items()})
 
 
@@ -307,11 +308,123 @@ def _ancestors(node: Node) -> list[Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
+# SGLang's W8A8 Linear spelled in PyTorch (serving code): x quantized per token to int8, `_int_mm` with
+# the transposed int8 weight, the int32 product times the token's and the channel's scales, cast back.
+# Found from its `_int_mm`; the quantizer (walked back from the GEMM's int8 operand) and the epilogue
+# (walked forward) are recognized by what they compute, as the weight dequantizations are.
+_QUANTIZER_OPS = (prims.convert_element_type.default, aten.mul.Tensor, aten.div.Tensor, aten.round.default,
+                  aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
+_EPILOGUE_OPS = (prims.convert_element_type.default, aten.mul.Tensor)
+_ACTIVATION_QUANT = "mla_activation_quant"  # node.meta key of a dequantize_weight: its Linear's x is quantized
+
+
+def _quantizer_input(quantized: Node) -> Optional[Node]:
+    """The floating tensor an int8 GEMM operand was quantized from: the farthest node back along the
+    quantizer's first arguments that has the operand's shape."""
+    found, node = None, quantized
+    while isinstance(node, Node) and node.op == "call_function" and node.target in _QUANTIZER_OPS:
+        node = node.args[0]
+        val = node.meta.get("val") if isinstance(node, Node) else None
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.shape == quantized.meta["val"].shape:
+            found = node
+    return found
+
+
+def _w8a8_epilogue(int_mm: Node, dtype: torch.dtype) -> Optional[tuple[Node, list[Node]]]:
+    """(the cast back to `dtype` that ends the epilogue of an int32 product, the nodes the products
+    multiply it by), following its only users."""
+    node, factors = int_mm, []
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.target not in _EPILOGUE_OPS:
+            return None
+        factors += [a for a in user.args[1:] if isinstance(a, Node)] if user.target is aten.mul.Tensor else []
+        node = user
+        if node.target is prims.convert_element_type.default and node.args[1] == dtype:
+            return node, factors
+    return None
+
+
+def _noop_view(node: Node) -> bool:
+    return node.target in (aten.view.default, aten.reshape.default) and node.args[0].meta["val"].shape == node.meta["val"].shape
+
+
+def _graph_inputs(node: Node) -> set[Node]:
+    return {a for a in _ancestors(node) if a.op in _SOURCE_OPS}
+
+
+def _probe_activations(x: Node, generator: torch.Generator) -> torch.Tensor:
+    rows = [d if isinstance(d, int) else 3 for d in x.meta["val"].shape]  # a dynamic size: any will do
+    return torch.randn(rows, generator=generator).to(x.meta["val"].dtype)
+
+
+def _is_sglang_w8a8(chain: Origin, x: Node, weight: Node, scale: Node) -> bool:
+    """Whether the chain (outputs: the Linear's result, the int8 operand) quantizes x as SGLang's W8A8
+    does and scales the product by both scales. The quantizer is compared level by level (a multiplier
+    Inductor decomposed into a reciprocal may move a near-tie: one level, rarely), the result within
+    the fp32 sum's rounding and the output's."""
+    with torch.utils._python_dispatch._disable_current_modes():
+        generator = torch.Generator().manual_seed(_PROBE_SEED)
+        x_probe, w, s = _probe_activations(x, generator), _probe(weight, generator), _probe(scale, generator)
+        try:
+            out, q = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(x_probe, w, s)
+        except Exception:  # a chain that reads a dynamic size as its own input: not probed, not matched
+            return False
+        expected_q, x_scale = quantize_rows_int8(x_probe)
+        moved = (q.int() - expected_q.int()).abs()
+        if q.shape != expected_q.shape or moved.max() > 1 or moved.sum() > max(2, q.numel() // 1000):
+            return False
+        expected = (q.double() @ w.double().T) * x_scale.double() * s.double().reshape(1, -1)
+        return out.shape == expected.shape and torch.allclose(out.double(), expected, rtol=2**-7, atol=1e-6)
+
+
+def _w8a8_linears(graph: Graph) -> int:
+    rewritten = 0
+    for node in list(graph.nodes):
+        if node.target is not aten._int_mm.default:
+            continue
+        quantized, transposed = node.args
+        weight = transposed.args[0] if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0] else None
+        x = _quantizer_input(quantized)
+        if weight is None or _int8_weight(weight) is None or weight.op not in _SOURCE_OPS or x is None:
+            continue
+        found = _w8a8_epilogue(node, x.meta["val"].dtype)
+        if found is None:
+            continue
+        end, factors = found
+        # A Linear module's flattening of x and unflattening of the result are views to the shapes
+        # they have when x is 2-D: the canonical Linear is F.linear's, without them
+        while _noop_view(x):
+            x = x.args[0]
+        while len(end.users) == 1 and _noop_view(next(iter(end.users))):
+            end = next(iter(end.users))
+        scales = [a for f in factors for a in _graph_inputs(f) if a is not weight and x not in _ancestors(f)]
+        if len(scales) != 1 or _per_channel_scale(scales[0], weight.meta["val"].shape[0]) is None:
+            continue
+        scale = scales[0]
+        members = [n for n in _ancestors(end) if n.op == "call_function" and n not in _ancestors(x)]
+        if _graph_inputs(end) - _graph_inputs(x) - {weight, scale}:
+            continue  # the epilogue reads more than x and the two scales
+        chain = _snapshot([*members], {"x": x, "weight": weight, "scale": scale}, also=quantized)
+        if not _is_sglang_w8a8(chain, x, weight, scale):
+            continue
+        chain.graph.output_node().args = (chain.graph.output_node().args[0][0],)
+        canonical = _canonical(graph, end, x, weight, scale)
+        canonical.args[1].args[0].meta[_ACTIVATION_QUANT] = "int8"
+        canonical.meta[_ORIGIN] = chain
+        end.replace_all_uses_with(canonical)
+        for dead in reversed(members):
+            if not dead.users:
+                graph.erase_node(dead)
+        rewritten += 1
+    return rewritten
+
+
 def canonicalize(graph: Graph) -> int:
     """Every spelling of a quantized Linear (module doc) as a plain Linear over its dequantized weight."""
     # First the weight dequantizations: torchao's canonical form holds one (its Linear's is not a
     # weight-only chain: the scale multiplies the product)
-    rewritten = _dequantizations(graph)
+    rewritten = _dequantizations(graph) + _w8a8_linears(graph)
     for node in list(graph.nodes):
         found = _torchao_int8_weight_only(node)
         if found is None:
@@ -342,12 +455,19 @@ def decline_reason(weights: dict[str, Node], per_channel_only: bool = False) -> 
         return None
     if len(names) != len(weights):
         return f"{' and '.join(names)} quantized, {' and '.join(set(weights) - set(names))} not: the op takes both alike"
-    formats = {(node.args[0].meta["val"].dtype, tuple(node.args[2] or ())) for node in quantized.values()}
+    formats = {(node.args[0].meta["val"].dtype, tuple(node.args[2] or ()), _activation_quant(node))
+               for node in quantized.values()}
     if len(formats) != 1:
         return f"{' and '.join(names)} are quantized differently ({sorted(map(str, formats))})"
     if per_channel_only and any(node.args[2] is not None for node in quantized.values()):
         return f"{' and '.join(names)} have block scales: the fused op takes per-channel scales only"
+    if per_channel_only and any(_activation_quant(node) != "none" for node in quantized.values()):
+        return f"{' and '.join(names)} are W8A8 (activations quantized per token): the fused op takes weight-only quantization"
     return None
+
+
+def _activation_quant(dequantized: Node) -> str:
+    return dequantized.meta.get(_ACTIVATION_QUANT, "none")
 
 
 # fused op -> (its weight arguments by position, the scale keyword of each); the block size and
@@ -383,14 +503,14 @@ def row_split_reason(weight: Node, rows: int) -> Optional[str]:
     return None
 
 
-def _quantized_operand(graph: Graph, node: Node, operand) -> Optional[tuple[Node, Node, Optional[list]]]:
-    """(one-byte weight, fp32 scale, block size) a fused op `node` reads in place of `operand` (a
-    dequantized weight or a row slice of one), emitted ahead of `node`; or None."""
+def _quantized_operand(graph: Graph, node: Node, operand) -> Optional[tuple[Node, Node, Optional[list], str]]:
+    """(one-byte weight, fp32 scale, block size, activation quantization) a fused op `node` reads in
+    place of `operand` (a dequantized weight or a row slice of one), emitted ahead of `node`; or None."""
     emit = Emitter(graph, node)
     dequantized = _dequantized(operand)
     if dequantized is not None:
         weight, scale, block, _ = dequantized.args
-        return weight, emit.cast(scale, torch.float32), block
+        return weight, emit.cast(scale, torch.float32), block, _activation_quant(dequantized)
     sliced = _row_slice(operand)
     if sliced is None:
         return None
@@ -399,7 +519,8 @@ def _quantized_operand(graph: Graph, node: Node, operand) -> Optional[tuple[Node
     block_rows = block[0] if block else 1  # checked by row_split_reason: a slice starts at a block
     scale_rows = (start // block_rows, -(-end // block_rows))
     return (emit(aten.slice.Tensor, weight, 0, start, end),
-            emit(aten.slice.Tensor, emit.cast(scale, torch.float32), 0, *scale_rows), block)
+            emit(aten.slice.Tensor, emit.cast(scale, torch.float32), 0, *scale_rows), block,
+            _activation_quant(dequantized))
 
 
 def fold(graph: Graph) -> int:
@@ -410,9 +531,10 @@ def fold(graph: Graph) -> int:
             quantized = _quantized_operand(graph, node, node.args[index])
             if quantized is None:
                 continue
-            weight, scale, block = quantized
+            weight, scale, block, activation_quant = quantized
             node.update_arg(index, weight)
-            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block}
+            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block,
+                           "activation_quant": activation_quant}
             folded += 1
         if node.target in _QUANTIZED_WEIGHT_LISTS:
             index, scale_kwarg = _QUANTIZED_WEIGHT_LISTS[node.target]
@@ -420,8 +542,8 @@ def fold(graph: Graph) -> int:
             if any(d is None or d.args[2] is not None for d in dequantized):
                 continue  # the fusion's check declined mixed and block-scaled weights
             quantized = [_quantized_operand(graph, node, d) for d in dequantized]
-            node.update_arg(index, [weight for weight, _, _ in quantized])
-            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, _ in quantized]}
+            node.update_arg(index, [weight for weight, *_ in quantized])
+            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, *_ in quantized]}
             folded += 1
     return folded
 
