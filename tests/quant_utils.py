@@ -19,3 +19,13 @@ def quantize_rows_int8_fp64(x):
     absmax = x.float().abs().amax(-1, keepdim=True).clamp_min(1e-7)
     q = torch.round(x.float() * (127 / absmax))
     return q.double() * (absmax.double() / 127)
+
+
+def quantize_rows_int8_torchao_fp64(x):
+    """torchao's per-token activation quantization (Int8DynamicActivationInt8WeightConfig), returned
+    dequantized: the scale absmax / 127.5 rounded to x's dtype, at least fp32's epsilon; q = round(x /
+    scale) in [-128, 127]."""
+    absmax = x.abs().amax(-1, keepdim=True).double()
+    scale = (absmax / 127.5).to(x.dtype).double().clamp_min(2.0**-23).to(x.dtype).double()
+    q = torch.round(x.double() / scale).clamp(-128, 127)
+    return q * scale

@@ -21,7 +21,7 @@ from mla_inductor.ops.rope import rotate_pairs
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 from graph_utils import rewritten, serving_model_decode
-from quant_utils import dequantize_fp64, quantize_rows_int8_fp64
+from quant_utils import dequantize_fp64, quantize_rows_int8_fp64, quantize_rows_int8_torchao_fp64
 
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 op = torch.ops.mla.qkv_a_proj
@@ -202,6 +202,7 @@ def test_k_cos_and_k_sin_come_together_in_the_rows_shape():
 # of 8, and fp8 with one K block (scales per 4 rows, applied to the sums).
 QUANTIZED_CASES = [
     ("int8", "int8", None, torch.bfloat16),
+    ("int8", "int8_torchao", None, torch.bfloat16),
     ("int8", "none", None, torch.float16),
     ("fp8", "none", [8, 32], torch.bfloat16),
     ("fp8", "none", [4, 128], torch.bfloat16),
@@ -215,14 +216,15 @@ def quantized_args(case, rows, seed=0, hidden=100, nq=10, lora=12, rope=6, bias=
         w = args[f"{name}_weight"]
         weight, scale = quantize_weight_int8(w) if fmt == "int8" else quantize_weight_fp8_blocks(w, block)
         args[f"{name}_weight"] = weight
-        args[f"{name}_weight_scale"] = scale.view(-1) if activation_quant == "int8" else scale
+        args[f"{name}_weight_scale"] = scale.view(-1) if activation_quant != "none" else scale
     return dict(args, weight_block_size=block, activation_quant=activation_quant)
 
 
 def quantized_reference_fp64(args):
     """fp64 math on the dequantized weights (and, for W8A8, the quantized-dequantized activations)."""
     block = args["weight_block_size"]
-    x = quantize_rows_int8_fp64(args["x"]) if args["activation_quant"] == "int8" else args["x"]
+    x = {"int8": quantize_rows_int8_fp64, "int8_torchao": quantize_rows_int8_torchao_fp64,
+         "none": lambda x: x}[args["activation_quant"]](args["x"])
     plain = {k: v for k, v in args.items() if k in (
         "q_norm_weight", "kv_norm_weight", "q_eps", "kv_eps", "q_bias", "kv_bias")}
     return reference_fp64(x, dequantize_fp64(args["q_weight"], args["q_weight_scale"], block),
@@ -284,7 +286,8 @@ def test_quantized_templates_in_one_compile():
         if rows == 3:
             outputs, (code,) = run_and_get_code(compiled, *flat)
             assert code.count("mi::nt_task_scaled(") == 2 * len(QUANTIZED_CASES), "two calls per template"
-            assert "mi::quantize_row_int8(" in code, "W8A8 quantizes x in the template"
+            for scheme in ("kSglang", "kTorchao"):  # W8A8 quantizes x in the template
+                assert f"mi::quantize_row_int8<mi::ActivationQuant::{scheme}>(" in code
             assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
         else:
             outputs = compiled(*flat)

@@ -8,7 +8,7 @@ import transformers
 from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.decomposition import select_decomp_table
 from torch._inductor.utils import run_and_get_code
-from torchao.quantization import Int8WeightOnlyConfig, PerGroup, quantize_
+from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, PerGroup, quantize_
 
 import mla_inductor
 from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
@@ -308,13 +308,6 @@ def test_weight_dequantization_not_canonicalized(case):
     assert canonicalized_and_restored(DequantizingLinear(weight, scale, dequantize), x)[0] == []
 
 
-def _torchao_activation_scheme(x, weight, scale):
-    """W8A8 as torchao quantizes activations: absmax / 127.5, down to -128."""
-    absmax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-7)
-    q = torch.round(x.float() * (127.5 / absmax)).clamp(-128, 127).to(torch.int8)
-    return (torch._int_mm(q, weight.t()).float() * (absmax / 127.5) * scale.view(1, -1)).to(x.dtype)
-
-
 @pytest.mark.parametrize("rows", [1, 20])
 def test_sglang_w8a8_linear_becomes_the_canonical_form_and_back(rows):
     """Serving code's W8A8 Linear (per-token quantize, `_int_mm`, both scales) becomes the canonical
@@ -327,8 +320,56 @@ def test_sglang_w8a8_linear_becomes_the_canonical_form_and_back(rows):
         torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
 
 
-def test_another_activation_scheme_is_not_sglangs_w8a8():
-    """torchao's activation quantization (absmax / 127.5) is another op: not canonicalized as W8A8."""
+@pytest.mark.parametrize("vnni", [False, True], ids=["s8s8", "u8s8 (CPUs with VNNI)"])
+def test_torchao_dynamic_int8_linear_becomes_the_canonical_form_and_back(vnni, monkeypatch):
+    """torchao's Int8DynamicActivationInt8WeightConfig Linear, in both of its CPU spellings (the u8s8 one
+    adds 128 to x's levels and subtracts the weight's column sums), on 3-D activations: the canonical
+    Linear marked with torchao's scheme; restored, it computes what it did."""
+    import torchao.kernel.intmm
+
+    monkeypatch.setattr(torchao.kernel.intmm, "_cpu_is_vnni_supported", lambda: vnni)
+    linear = torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+    quantize_(linear, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    found, out = canonicalized_and_restored(linear, x)
+    assert found == [(None, "int8_torchao")]
+    with torch.no_grad():
+        torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
+
+
+def test_an_activation_scheme_of_neither_anchor_is_not_w8a8():
+    """Activations quantized by another rule (here absmax / 126) are another op: not canonicalized."""
     weight, scale = quantize_weight_int8(torch.randn(48, 64))
     x = torch.randn(4, 64).to(torch.bfloat16)
-    assert canonicalized_and_restored(lambda x: _torchao_activation_scheme(x, weight, scale), x)[0] == []
+
+    def other_scheme(x):
+        absmax = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-7)
+        q = torch.round(x.float() * (126 / absmax)).clamp(-127, 127).to(torch.int8)
+        return (torch._int_mm(q, weight.t()).float() * (absmax / 126) * scale.view(1, -1)).to(x.dtype)
+
+    assert canonicalized_and_restored(other_scheme, x)[0] == []
+
+
+def test_deepseek_prefill_with_torchao_dynamic_int8_fuses_the_a_projections(deepseek_w8a8):
+    """transformers DeepseekV3 under Int8DynamicActivationInt8WeightConfig (graph level): qkv_a_proj
+    reads the int8 q_a / kv_a weights and quantizes x as torchao does. Within W8A8's own noise of
+    eager: q_a rounded once where torchao rounds it twice moves some of q_b's input levels by one."""
+    config, model, prompt = deepseek_w8a8
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        expected = fn(prompt)
+    actual, events = rewrite_and_run(fn, prompt)
+    assert fired(events, "qkv_a_proj") == config.num_layers and fired(events, "rope") == 2 * config.num_layers
+    fused = [n for n in rewrite_and_run.graph.nodes if n.target is torch.ops.mla.qkv_a_proj.default]
+    assert [(n.args[1].meta["val"].dtype, n.kwargs["activation_quant"]) for n in fused] == [(torch.int8, "int8_torchao")]
+    assert (actual.float() - expected.float()).abs().mean() < 0.03 * expected.float().abs().mean()
+    torch.testing.assert_close(actual, expected, atol=0.15, rtol=0.05)
+
+
+@pytest.fixture(scope="module")
+def deepseek_w8a8():
+    config = get_config("tiny", num_layers=1)
+    model = build_hf_model(config, arch="v3", dtype=torch.bfloat16)
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    prompt = torch.randint(0, config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    return config, model, prompt

@@ -58,7 +58,10 @@ def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
     """The Jinja options of quantized weights: `<name>_scales` per weight, what nt_dot.h's WeightScales
     is built from (the C++ type and the scale blocks; per channel, blocks of 1 x K), or None; and
     `quantize_x` for W8A8."""
-    options = {"quantize_x": quantized is not None and quantized["activation_quant"] == "int8"}
+    # the W8A8 scheme that quantizes x's rows (nt_dot.h's ActivationQuant), or None
+    scheme = quantized["activation_quant"] if quantized is not None else "none"
+    options = {"quantize_x": {"none": None, "int8": "mi::ActivationQuant::kSglang",
+                              "int8_torchao": "mi::ActivationQuant::kTorchao"}[scheme]}
     for name, weight in weights.items():
         options[f"{name}_scales"] = None
         if quantized is not None:

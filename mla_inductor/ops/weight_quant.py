@@ -12,6 +12,9 @@ activation_quant names what happens to the activations first:
   - "none": they stay in their dtype (weight-only quantization, W8A16);
   - "int8": SGLang's W8A8: each token symmetrically to int8 (scale max(|x|, 1e-7) / 127, round half
     to even), and the GEMM's integer sum times both scales. Only with int8 weights.
+  - "int8_torchao": the same with torchao's per-token scheme (Int8DynamicActivationInt8WeightConfig):
+    scale absmax / 127.5 rounded to the activations' dtype and at least fp32's epsilon, q = round(x /
+    scale) in [-128, 127].
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from torch import Tensor
 from .checks import check_cpu_tensors
 
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-ACTIVATION_QUANT = ("none", "int8")
+ACTIVATION_QUANT = ("none", "int8", "int8_torchao")
+TORCHAO_INT8_LEVELS = 127.5  # torchao: (qmax - qmin) / 2 for [-128, 127]
 INT8_MAX = 127.0
 INT8_MIN_ABSMAX = 1e-7
 
@@ -62,8 +66,8 @@ def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tenso
     check_cpu_tensors(fail, {scale_name: scale})
     if scale.dtype != torch.float32:
         fail(f"{scale_name} must be float32, got {scale.dtype}")
-    if activation_quant == "int8" and weight.dtype != torch.int8:
-        fail(f"activation_quant='int8' (W8A8) needs an int8 {name}, got {weight.dtype}")
+    if activation_quant != "none" and weight.dtype != torch.int8:
+        fail(f"activation_quant={activation_quant!r} (W8A8) needs an int8 {name}, got {weight.dtype}")
     if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         fail(f"quantized {name} needs bf16, fp16 or fp32 activations, got {activation_dtype}")
     if weight.dim() != 2:
@@ -71,8 +75,9 @@ def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tenso
     if block_size is not None:
         if len(block_size) != 2 or any(not isinstance(b, int) or b <= 0 for b in block_size):
             fail(f"weight_block_size must be two positive ints [block_n, block_k], got {list(block_size)}")
-        if activation_quant == "int8":
-            fail("W8A8 (activation_quant='int8') takes per-channel weight scales; weight_block_size must be None")
+        if activation_quant != "none":
+            fail(f"W8A8 (activation_quant={activation_quant!r}) takes per-channel weight scales; "
+                 "weight_block_size must be None")
     rows, cols = scale_grid(weight.shape, block_size)
     per_channel_1d = block_size is None and tuple(scale.shape) == (rows,)
     if tuple(scale.shape) != (rows, cols) and not per_channel_1d:
@@ -123,13 +128,28 @@ def quantize_rows_int8(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8), absmax / INT8_MAX
 
 
+def quantize_rows_int8_torchao(x: Tensor) -> tuple[Tensor, Tensor]:
+    """torchao's per-token symmetric int8 quantization (Int8DynamicActivationInt8WeightConfig):
+    (q, scale), scale = absmax / 127.5 computed and rounded in x's dtype, at least fp32's epsilon,
+    then q = round(x / scale) half to even, in [-128, 127]."""
+    absmax = x.abs().amax(-1, keepdim=True)
+    scale = (absmax / TORCHAO_INT8_LEVELS).float().clamp_min(torch.finfo(torch.float32).eps).to(x.dtype).float()
+    q = torch.round(x.float() * (1 / scale)).clamp(-128, 127)
+    return q.to(torch.int8), scale
+
+
+def quantize_rows(x: Tensor, activation_quant: str) -> tuple[Tensor, Tensor]:
+    """x quantized per token by a W8A8 scheme (module doc): (int8 q, fp32 scale [..., 1])."""
+    return quantize_rows_int8_torchao(x) if activation_quant == "int8_torchao" else quantize_rows_int8(x)
+
+
 def linear_fp32(x: Tensor, weight: Tensor, scale: Optional[Tensor], block_size: Optional[Sequence[int]],
                 activation_quant: str = "none") -> Tensor:
-    """x @ dequantized(weight).T in fp32, after SGLang's per-token quantization of x for W8A8: the
+    """x @ dequantized(weight).T in fp32, after the per-token quantization of x for W8A8: the
     projection every quantized anchor computes, before its output's one rounding."""
     w = dequantize_weight(weight, scale, block_size)
-    if activation_quant == "int8":
-        q, x_scale = quantize_rows_int8(x)
+    if activation_quant != "none":
+        q, x_scale = quantize_rows(x, activation_quant)
         return (q.float() @ w.T) * x_scale
     return x.float() @ w.T
 

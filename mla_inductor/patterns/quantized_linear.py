@@ -29,17 +29,19 @@ Spellings (verified on torch 2.13 with torchao 0.18):
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
 
-from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows_int8
-from .contraction import Emitter
+from ..ops.weight_quant import ACTIVATION_QUANT, QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows
+from .contraction import Decline, Emitter
 
 aten, prims = torch.ops.aten, torch.ops.prims
 DEQUANTIZE = torch.ops.mla.dequantize_weight.default
 _ORIGIN = "mla_quantized_linear_origin"  # node.meta key of a canonical mm: the spelling it replaced
+_FLATTENED = "mla_flattened_x"  # node.meta key of the view that flattens a canonical mm's x
 
 
 @dataclasses.dataclass
@@ -122,20 +124,30 @@ def _after(graph: Graph, *nodes: Node) -> Node:
     raise ValueError("nodes not in the graph")
 
 
-def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -> Node:
-    """`mm(x, dequantize_weight(weight, scale).T)` in place of `output` (2-D [tokens, N] either way).
+def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -> tuple[Node, Node]:
+    """`mm(x, dequantize_weight(weight, scale).T)` in place of `output` (2-D [tokens, N], or viewed
+    as `output` is), and the dequantize_weight node.
     The dequantized weight is placed where its inputs are first all defined (the graph's top, for
     parameters): a fusion's replacement goes before the earliest node it replaces and may precede
     `output`, and must find its weights defined there."""
     emit = Emitter(graph, _after(graph, weight, scale), like=output)
     dtype = output.meta["val"].dtype
-    transposed = emit(aten.permute.default, emit(DEQUANTIZE, weight, scale, None, dtype), [1, 0])
+    dequantized = emit(DEQUANTIZE, weight, scale, None, dtype)
+    transposed = emit(aten.permute.default, dequantized, [1, 0])
     emit = Emitter(graph, output, like=output)
-    if x.target in (aten.view.default, aten.reshape.default) and -1 in x.args[1]:
+    shape = output.meta["val"].shape
+    if x.meta["val"].dim() != 2:  # W8A8's x before its quantizer flattened it: flattened as F.linear does
+        rows = math.prod(x.meta["val"].shape[:-1])
+        x = emit(aten.view.default, x, [emit.size_arg(rows), x.meta["val"].shape[-1]])
+        x.meta[_FLATTENED] = True  # restore reads the x it flattens
+    elif x.target in (aten.view.default, aten.reshape.default) and -1 in x.args[1]:
         # torchao flattens x by `reshape(-1, K)`, F.linear by its sizes: the patterns' strict re-trace
         # compares those literals, so the view is spelled as F.linear's
         x = emit(x.target, x.args[0], [emit.size_arg(n) for n in x.meta["val"].shape])
-    return emit(aten.mm.default, x, transposed)
+    product = emit(aten.mm.default, x, transposed)
+    if len(shape) != 2:
+        product = emit(aten.view.default, product, [emit.size_arg(n) for n in shape])
+    return product, dequantized
 
 
 # Weight dequantizations are recognized by what they compute (`_dequantizations`): a chain of ops that
@@ -312,37 +324,39 @@ def _ancestors(node: Node) -> list[Node]:
 # the transposed int8 weight, the int32 product times the token's and the channel's scales, cast back.
 # Found from its `_int_mm`; the quantizer (walked back from the GEMM's int8 operand) and the epilogue
 # (walked forward) are recognized by what they compute, as the weight dequantizations are.
+_VIEWS = (aten.view.default, aten.reshape.default)
 _QUANTIZER_OPS = (prims.convert_element_type.default, aten.mul.Tensor, aten.div.Tensor, aten.round.default,
-                  aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default)
-_EPILOGUE_OPS = (prims.convert_element_type.default, aten.mul.Tensor)
+                  aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+                  aten.add.Tensor,  # torchao's zero point (0), and its unsigned operand on CPUs with VNNI: q + 128
+                  *_VIEWS)
+_EPILOGUE_OPS = (prims.convert_element_type.default, aten.mul.Tensor, aten.sub.Tensor, *_VIEWS)
 _ACTIVATION_QUANT = "mla_activation_quant"  # node.meta key of a dequantize_weight: its Linear's x is quantized
 
 
 def _quantizer_input(quantized: Node) -> Optional[Node]:
-    """The floating tensor an int8 GEMM operand was quantized from: the farthest node back along the
-    quantizer's first arguments that has the operand's shape."""
+    """The floating tensor an 8-bit GEMM operand [M, K] was quantized from: the farthest node back
+    along the quantizer's first arguments that holds rows of K (x itself, or x flattened)."""
     found, node = None, quantized
+    rows, k = quantized.meta["val"].shape
     while isinstance(node, Node) and node.op == "call_function" and node.target in _QUANTIZER_OPS:
         node = node.args[0]
         val = node.meta.get("val") if isinstance(node, Node) else None
-        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.shape == quantized.meta["val"].shape:
+        if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2 and val.shape[-1] == k:
             found = node
     return found
 
 
 def _w8a8_epilogue(int_mm: Node, dtype: torch.dtype) -> Optional[tuple[Node, list[Node]]]:
-    """(the cast back to `dtype` that ends the epilogue of an int32 product, the nodes the products
-    multiply it by), following its only users."""
-    node, factors = int_mm, []
-    while len(node.users) == 1:
-        (user,) = node.users
-        if user.target not in _EPILOGUE_OPS:
-            return None
-        factors += [a for a in user.args[1:] if isinstance(a, Node)] if user.target is aten.mul.Tensor else []
-        node = user
+    """(the last cast to `dtype` of the epilogue of an int32 product, the nodes its products and
+    differences combine it with), following its only users. torchao casts twice (after each scale),
+    and on CPUs with VNNI subtracts the compensation of its unsigned operand first."""
+    node, factors, found = int_mm, [], None
+    while len(node.users) == 1 and next(iter(node.users)).target in _EPILOGUE_OPS:
+        node = next(iter(node.users))
+        factors += [a for a in node.args[1:] if isinstance(a, Node)]
         if node.target is prims.convert_element_type.default and node.args[1] == dtype:
-            return node, factors
-    return None
+            found = node, list(factors)
+    return found
 
 
 def _noop_view(node: Node) -> bool:
@@ -358,24 +372,30 @@ def _probe_activations(x: Node, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(rows, generator=generator).to(x.meta["val"].dtype)
 
 
-def _is_sglang_w8a8(chain: Origin, x: Node, weight: Node, scale: Node) -> bool:
-    """Whether the chain (outputs: the Linear's result, the int8 operand) quantizes x as SGLang's W8A8
-    does and scales the product by both scales. The quantizer is compared level by level (a multiplier
-    Inductor decomposed into a reciprocal may move a near-tie: one level, rarely), the result within
-    the fp32 sum's rounding and the output's."""
+def _w8a8_scheme(chain: Origin, x: Node, weight: Node, scale: Node) -> Optional[str]:
+    """The W8A8 scheme (ops/weight_quant.py's activation_quant) by which the chain (outputs: the
+    Linear's result, the GEMM's 8-bit operand) quantizes x and scales the product by both scales, or
+    None. The quantizer is compared level by level (a multiplier Inductor decomposed into a reciprocal
+    may move a near-tie: one level, rarely), the result within the fp32 sum's rounding and the
+    output's (torchao rounds twice)."""
     with torch.utils._python_dispatch._disable_current_modes():
         generator = torch.Generator().manual_seed(_PROBE_SEED)
         x_probe, w, s = _probe_activations(x, generator), _probe(weight, generator), _probe(scale, generator)
         try:
             out, q = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(x_probe, w, s)
         except Exception:  # a chain that reads a dynamic size as its own input: not probed, not matched
-            return False
-        expected_q, x_scale = quantize_rows_int8(x_probe)
-        moved = (q.int() - expected_q.int()).abs()
-        if q.shape != expected_q.shape or moved.max() > 1 or moved.sum() > max(2, q.numel() // 1000):
-            return False
-        expected = (q.double() @ w.double().T) * x_scale.double() * s.double().reshape(1, -1)
-        return out.shape == expected.shape and torch.allclose(out.double(), expected, rtol=2**-7, atol=1e-6)
+            return None
+        q = q.int() - 128 if q.dtype == torch.uint8 else q.int()
+        for scheme in ACTIVATION_QUANT[1:]:
+            expected_q, x_scale = quantize_rows(x_probe.reshape(q.shape), scheme)
+            moved = (q - expected_q.int()).abs()
+            if moved.max() > 1 or moved.sum() > max(2, q.numel() // 1000):
+                continue
+            expected = (q.double() @ w.double().T) * x_scale.double() * s.double().reshape(1, -1)
+            close = out.numel() == expected.numel() and torch.allclose(
+                out.double().reshape(expected.shape), expected, rtol=2**-6, atol=1e-6)
+            return scheme if close else None
+    return None
 
 
 def _w8a8_linears(graph: Graph) -> int:
@@ -406,11 +426,15 @@ def _w8a8_linears(graph: Graph) -> int:
         if _graph_inputs(end) - _graph_inputs(x) - {weight, scale}:
             continue  # the epilogue reads more than x and the two scales
         chain = _snapshot([*members], {"x": x, "weight": weight, "scale": scale}, also=quantized)
-        if not _is_sglang_w8a8(chain, x, weight, scale):
+        scheme = _w8a8_scheme(chain, x, weight, scale)
+        if scheme is None:
             continue
         chain.graph.output_node().args = (chain.graph.output_node().args[0][0],)
-        canonical = _canonical(graph, end, x, weight, scale)
-        canonical.args[1].args[0].meta[_ACTIVATION_QUANT] = "int8"
+        try:
+            canonical, dequantized = _canonical(graph, end, x, weight, scale)
+        except Decline:  # a dynamic row count no node of the graph holds
+            continue
+        dequantized.meta[_ACTIVATION_QUANT] = scheme
         canonical.meta[_ORIGIN] = chain
         end.replace_all_uses_with(canonical)
         for dead in reversed(members):
@@ -431,7 +455,7 @@ def canonicalize(graph: Graph) -> int:
             continue
         x, weight, scale, replaced = found
         origin = _snapshot(replaced, {"x": x, "weight": weight, "scale": scale})
-        canonical = _canonical(graph, node, x, weight, scale)
+        canonical, _ = _canonical(graph, node, x, weight, scale)
         canonical.meta[_ORIGIN] = origin
         node.replace_all_uses_with(canonical)
         for dead in [*replaced, x]:  # outputs first; a node something else still reads stays
@@ -565,17 +589,19 @@ def restore(graph: Graph) -> int:
     restored = 0
     for node in list(graph.nodes):
         origin = node.meta.get(_ORIGIN)
-        if origin is None or node.target is not aten.mm.default:
+        if origin is None or node.target not in (aten.mm.default, aten.view.default):
             continue
-        x, transposed = node.args
+        mm = node.args[0] if node.target is aten.view.default else node
+        x, transposed = mm.args
         dequantized = transposed.args[0]
-        current = {"x": x, "weight": dequantized.args[0], "scale": dequantized.args[1]}
+        current = {"x": x.args[0] if x.meta.get(_FLATTENED) else x, "weight": dequantized.args[0],
+                   "scale": dequantized.args[1]}
         with graph.inserting_before(node):
             value = graph.graph_copy(origin.graph, {origin.inputs[k]: current[k] for k in origin.inputs})
         node.replace_all_uses_with(value)
-        graph.erase_node(node)
-        if not transposed.users:
-            graph.erase_node(transposed)
+        for dead in dict.fromkeys((node, mm, transposed, x)):  # the view, if any, first
+            if not dead.users and dead.op == "call_function":
+                graph.erase_node(dead)
         restored += 1
     for node in list(graph.nodes):
         if node.target is DEQUANTIZE:

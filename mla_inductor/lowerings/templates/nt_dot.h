@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include <immintrin.h>
@@ -267,24 +268,38 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
   }
 }
 
-// SGLang's per-token symmetric int8 quantization of a row (W8A8): q = round(x * 127 / absmax), half to
-// even, absmax = max(|x|, 1e-7); q kept as integers in fp32, which the quantized tiles multiply by the
-// int8 weights exactly. Each fp32 lane sums K / lanes products of at most 127 x 127, exactly while
-// there are at most 1040 of them (K <= 8320 on AVX2, 16640 on AVX-512): then only the reduction across
-// lanes rounds, as the fp32 epilogue of an int32 GEMM does. Returns the row's scale, absmax / 127.
-template <typename T>
+// Per-token symmetric int8 quantization of a row (W8A8), q kept as integers in fp32, which the
+// quantized tiles multiply by the int8 weights exactly. Each fp32 lane sums K / lanes products of at
+// most 128 x 127, exactly while there are at most 1032 of them (K <= 8256 on AVX2, 16512 on AVX-512):
+// then only the reduction across lanes rounds, as the fp32 epilogue of an int32 GEMM does. The
+// schemes (ops/weight_quant.py), each rounding half to even:
+// - kSglang: q = round(x * (127 / absmax)) with absmax = max(|x|, 1e-7); scale absmax / 127;
+// - kTorchao: scale = absmax / 127.5 rounded to T, at least FLT_EPSILON (and rounded to T again),
+//   q = round(x * (1 / scale)) in [-128, 127].
+// Returns the row's scale.
+enum class ActivationQuant { kSglang, kTorchao };
+
+template <ActivationQuant scheme, typename T>
 inline float quantize_row_int8(const T* x, int64_t K, float* q) {
   using Vec = at::vec::Vectorized<float>;
   float absmax = 0.f;
   for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::abs(static_cast<float>(x[k])));
-  absmax = std::max(absmax, 1e-7f);
-  const Vec inverse(127.f / absmax), limit(127.f);
+  float scale, inverse, lowest;
+  if constexpr (scheme == ActivationQuant::kSglang) {
+    absmax = std::max(absmax, 1e-7f);
+    scale = absmax / 127.f, inverse = 127.f / absmax, lowest = -127.f;
+  } else {
+    scale = static_cast<float>(static_cast<T>(absmax / 127.5f));
+    scale = static_cast<float>(static_cast<T>(std::max(scale, std::numeric_limits<float>::epsilon())));
+    inverse = 1.f / scale, lowest = -128.f;
+  }
+  const Vec multiplier(inverse), low(lowest), high(127.f);
   for (int64_t k = 0; k < K; k += Vec::size()) {
     const int64_t count = std::min<int64_t>(Vec::size(), K - k);
-    const Vec v = (load_floats(x + k, count) * inverse).round();
-    at::vec::clamp(v, -limit, limit).store(q + k, count);
+    const Vec v = (load_floats(x + k, count) * multiplier).round();
+    at::vec::clamp(v, low, high).store(q + k, count);
   }
-  return absmax / 127.f;
+  return scale;
 }
 
 // RMSNorm of one fp32 row into the output dtype, rounding once: y = x * rsqrt(mean(x^2) + eps) * weight.
