@@ -19,6 +19,10 @@ memory-bound; at batch 8 over a long cache the 22-head latent attention can make
 `--quant int8` quantizes the transformers models' Linears with torchao's `Int8WeightOnlyConfig`
 (per-channel int8 weights) before every variant: stock then runs Inductor's `_weight_int8pack_mm`,
 ours fuses what it fuses in bf16 over the int8 weights (patterns/quantized_linear.py).
+`--quant w8a8` quantizes Linears (but the LM head) to int8 with activations quantized per token:
+torchao's `Int8DynamicActivationInt8WeightConfig` for the transformers models, SGLang's W8A8 spelled
+in PyTorch for the serving model (quantization.W8A8Linear); stock runs `_int_mm` between a quantize
+and a dequantize kernel, ours quantizes x inside the fused projections.
 `--quant fp8` gives the DeepSeek models' Linears (but the LM head) DeepSeek-V3's fp8 format, 128 x 128
 blocks dequantized in the forward (quantization.BlockFp8Linear): stock-frozen folds them into bf16
 constants, ours reads the fused projections' fp8 weights in their kernels.
@@ -118,7 +122,7 @@ def _matmul_weight_elements(module: torch.nn.Module) -> int:
 
 
 def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
-    model = build_model(config, dtype=dtype, seed=seed, quant=None if case.quant == "none" else case.quant)
+    model = build_model(config, dtype=dtype, seed=seed, quant=SERVING_QUANT[case.quant])
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
     block_tables, num_blocks = make_block_tables(b, ctx, BLOCK_SIZE, seed=seed)
@@ -162,13 +166,22 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
 
 
+# --quant of the serving model: its build_model form (None: it has none)
+SERVING_QUANT = {"none": None, "int8": None, "w8a8": "w8a8", "fp8": "fp8"}
+
+
 def quantized(model: torch.nn.Module, quant: str) -> torch.nn.Module:
     """The model with its Linears' weights quantized as `quant` says ("none": as it is)."""
+    # torchao: set_inductor_config=False, the same Inductor options for every variant, as the report sets them
     if quant == "int8":
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-        # set_inductor_config=False: the same Inductor options for every variant, as the report sets them
         quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False))
+    elif quant == "w8a8":  # the LM head stays in the model's dtype, as in SGLang's W8A8 models
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False),
+                  filter_fn=lambda module, name: isinstance(module, torch.nn.Linear) and name != "lm_head")
     elif quant == "fp8":
         quantize_fp8_(model)
     return model
@@ -368,8 +381,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
     p.add_argument("--prefill-tokens", type=int, default=512)
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
-    p.add_argument("--quant", choices=("none", "int8", "fp8"), default="none",
+    p.add_argument("--quant", choices=("none", "int8", "w8a8", "fp8"), default="none",
                    help="int8: torchao's int8 weight-only Linears (transformers models only); "
+                        "w8a8: int8 weights and per-token int8 activations (torchao's, SGLang's in the serving model); "
                         "fp8: DeepSeek-V3's 128 x 128 block fp8 Linears (DeepSeek models only)")
     p.add_argument("--serving-config", default="deepseek-v3-tp22")
     p.add_argument("--hf-config", default="deepseek-v2-lite")
@@ -386,7 +400,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def build_cases(args: argparse.Namespace) -> list[Case]:
     models = ("serving", "hf", "llama") if "all" in args.model else tuple(args.model)
     if args.quant != "none":
-        unquantized = {"int8": "serving", "fp8": "llama"}[args.quant]  # models without this form
+        unquantized = {"int8": "serving", "w8a8": None, "fp8": "llama"}[args.quant]  # models without this form
         if unquantized in args.model:
             raise SystemExit(f"--quant {args.quant}: the {unquantized} model has no such form")
         models = tuple(m for m in models if m != unquantized)
@@ -412,7 +426,7 @@ def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> ML
         return config.replace(num_layers=args.layers)
     one_layer = config.replace(num_layers=1, vocab_size=1)
     per_layer = (
-        weight_bytes(build_model(one_layer, dtype=dtype, quant=None if args.quant == "none" else args.quant))
+        weight_bytes(build_model(one_layer, dtype=dtype, quant=SERVING_QUANT[args.quant]))
         if model == "serving" else _hf_layer_bytes(one_layer, 8 if args.quant != "none" else torch.finfo(dtype).bits)
     )
     return config.replace(num_layers=_layers_for(per_layer))

@@ -125,7 +125,7 @@ def test_serving_w8a8_decode_fuses_the_input_chain_with_int8_activations():
     int8 weights and quantize their inputs per token as the Linears did (activation_quant="int8"),
     the concatenated weight split with its scale rows; the whole chain and the latent attention fuse."""
     config = get_config("tiny", num_layers=2)
-    model = build_model(config, quant="int8")
+    model = build_model(config, quant="w8a8")
     ids, caches, block_tables, lens = _decode_inputs(model)
     with torch.no_grad():
         expected = model.forward_decode(ids, [c.clone() for c in caches], block_tables, lens)

@@ -57,3 +57,11 @@ def test_fp8_cases_are_the_deepseek_models_with_block_fp8_linears():
         report.build_cases(report.parse_args(["--model", "llama", "--quant", "fp8"]))
     model = report.quantized(torch.nn.Sequential(torch.nn.Linear(256, 200, bias=False)).to(torch.bfloat16), "fp8")
     assert weight_bytes(model) == 200 * 256 + 2 * 2 * 4  # the fp8 weight; an fp32 scale per 128 x 128 block
+
+
+def test_w8a8_cases_are_every_model_with_per_token_int8_activations():
+    args = report.parse_args(["--phase", "decode", "--batch", "1", "--context", "64", "--quant", "w8a8"])
+    assert [c.label for c in report.build_cases(args)] == [
+        "serving w8a8 decode B=1 ctx 64", "hf w8a8 decode B=1 ctx 64", "llama w8a8 decode B=1 ctx 64"]
+    model = report.quantized(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16), "w8a8")
+    assert weight_bytes(model) < 48 * 64 * 2  # int8, not bf16

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..quantization import DEFAULT_BLOCK_SIZE, BlockFp8Linear, W8A8Linear, quantize_fp8_, quantize_w8a8_
 from .configs import MLAConfig, yarn_mscale
 
-QUANT = (None, "fp8", "int8")
+QUANT = (None, "fp8", "w8a8")
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -297,7 +297,7 @@ def build_model(
 ) -> MLAModel:
     """quant="fp8": the attention Linears as a DeepSeek-V3 fp8 checkpoint holds them (e4m3 weights with
     fp32 scales per `block_size` block, dequantized in the forward: quantization.BlockFp8Linear);
-    quant="int8": as SGLang's W8A8 (int8 weights per channel, activations quantized per token:
+    quant="w8a8": as SGLang's W8A8 (int8 weights per channel, activations quantized per token:
     quantization.W8A8Linear). The embedding and the LM head stay in `dtype`, as in those checkpoints."""
     if quant not in QUANT:
         raise ValueError(f"quant must be one of {QUANT}, got {quant!r}")
@@ -306,7 +306,7 @@ def build_model(
     model = model.to(dtype).eval()
     if quant == "fp8":
         quantize_fp8_(model, block_size)
-    elif quant == "int8":
+    elif quant == "w8a8":
         quantize_w8a8_(model)
     return model
 
