@@ -301,12 +301,19 @@ def _dequantizations(graph: Graph) -> int:
             chain.graph.output_node().args = (back,)
         dequantized.meta[_ORIGIN] = chain
         value = Emitter(graph, node, like=node)(aten.permute.default, dequantized, [1, 0]) if transposed else dequantized
-        node.replace_all_uses_with(value)
-        for dead in reversed(members):
-            if not dead.users:
-                graph.erase_node(dead)
+        _replace(graph, node, value, members)
         rewritten += 1
     return rewritten
+
+
+def _replace(graph: Graph, old: Node, new: Node, replaced: list[Node]) -> None:
+    """`new` in place of `old`, and the replaced nodes nothing reads any more erased (outputs first;
+    one something else still reads stays)."""
+    old.replace_all_uses_with(new)
+    members = set(replaced)
+    for dead in [n for n in reversed(graph.nodes) if n in members]:
+        if not dead.users and dead.op == "call_function":
+            graph.erase_node(dead)
 
 
 def _ancestors(node: Node) -> list[Node]:
@@ -436,10 +443,7 @@ def _w8a8_linears(graph: Graph) -> int:
             continue
         dequantized.meta[_ACTIVATION_QUANT] = scheme
         canonical.meta[_ORIGIN] = chain
-        end.replace_all_uses_with(canonical)
-        for dead in reversed(members):
-            if not dead.users:
-                graph.erase_node(dead)
+        _replace(graph, end, canonical, members)
         rewritten += 1
     return rewritten
 
@@ -457,10 +461,7 @@ def canonicalize(graph: Graph) -> int:
         origin = _snapshot(replaced, {"x": x, "weight": weight, "scale": scale})
         canonical, _ = _canonical(graph, node, x, weight, scale)
         canonical.meta[_ORIGIN] = origin
-        node.replace_all_uses_with(canonical)
-        for dead in [*replaced, x]:  # outputs first; a node something else still reads stays
-            if not dead.users and dead.op == "call_function":
-                graph.erase_node(dead)
+        _replace(graph, node, canonical, [*replaced, x])
         rewritten += 1
     return rewritten
 
@@ -598,10 +599,7 @@ def restore(graph: Graph) -> int:
                    "scale": dequantized.args[1]}
         with graph.inserting_before(node):
             value = graph.graph_copy(origin.graph, {origin.inputs[k]: current[k] for k in origin.inputs})
-        node.replace_all_uses_with(value)
-        for dead in dict.fromkeys((node, mm, transposed, x)):  # the view, if any, first
-            if not dead.users and dead.op == "call_function":
-                graph.erase_node(dead)
+        _replace(graph, node, value, [node, mm, transposed, x])
         restored += 1
     for node in list(graph.nodes):
         if node.target is DEQUANTIZE:
