@@ -17,7 +17,7 @@ the fused ones stay one byte a weight.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,8 @@ class BlockFp8Linear(nn.Module):
         block_size = [int(b) for b in block_size]
         if weight.dtype != torch.float8_e4m3fn:
             raise ValueError(f"BlockFp8Linear: weight must be float8_e4m3fn, got {weight.dtype}")
-        check_quantized_weight(_fail, "weight", weight, "weight_scale_inv", weight_scale_inv, block_size,
-                               "none", torch.bfloat16)
+        check_quantized_weight(_failing("BlockFp8Linear"), "weight", weight, "weight_scale_inv", weight_scale_inv,
+                               block_size, "none", torch.bfloat16)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale_inv = nn.Parameter(weight_scale_inv, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -86,7 +86,8 @@ class W8A8Linear(nn.Module):
         super().__init__()
         if weight.dtype != torch.int8:
             raise ValueError(f"W8A8Linear: weight must be int8, got {weight.dtype}")
-        check_quantized_weight(_fail, "weight", weight, "weight_scale", weight_scale, None, "int8", torch.bfloat16)
+        check_quantized_weight(_failing("W8A8Linear"), "weight", weight, "weight_scale", weight_scale, None, "int8",
+                               torch.bfloat16)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -174,8 +175,11 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), child, module)
 
 
-def _fail(message: str) -> None:
-    raise ValueError(f"BlockFp8Linear: {message}")
+def _failing(owner: str) -> Callable[[str], None]:
+    def fail(message: str) -> None:
+        raise ValueError(f"{owner}: {message}")
+
+    return fail
 
 
 __all__ = ["BlockFp8Linear", "DEFAULT_BLOCK_SIZE", "W8A8Linear", "keep_fp8_weights_", "quantize_fp8_", "quantize_w8a8_"]

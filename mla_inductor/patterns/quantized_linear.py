@@ -5,8 +5,9 @@ Each spelling found is rewritten to `mm(x, permute(mla::dequantize_weight(w, sca
 a plain Linear whose weight is the dequantized one. Every fusion that matches a bf16 Linear then
 matches it unchanged, and `fold` hands the fused ops that take quantized weights (qkv_a_proj,
 q_b_absorb, gqa_qkv's qkv_projection) the one-byte weight and its scales instead of the dequantized
-one: their templates read it as it is. A fusion declines weights its op cannot take as they are
-(`decline_reason`: one quantized and one not, or block scales where the op takes per-channel ones).
+one: their templates read it as it is (and, for W8A8, quantize x per token as the Linear did). A
+fusion declines weights its op cannot take as they are (`decline_reason`: one quantized and one not,
+block scales where the op takes per-channel ones, W8A8 where it takes weight-only quantization).
 
 What no fusion took gets its own spelling back (`restore`), node for node, so that Inductor's own
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
@@ -16,14 +17,19 @@ which freezing folds into a constant.
 
 The joint-graph stage is where this pays: it runs with and without freezing, and sees model code's
 spelling before any of Inductor's int8 rewrites (post-grad graphs hold Inductor's `woq_int8` lowering
-calls instead, and frozen ones constants folded from the scales). The post-grad stage finds nothing
-left to canonicalize.
+calls instead, and frozen ones constants folded from the scales). At the post-grad stage the pass
+runs again on what is left in a model's spelling.
 
 Spellings (verified on torch 2.13 with torchao 0.18):
 - torchao's int8 weight-only Linear (`Int8WeightOnlyConfig`, per-row scales):
   `mm(x, permute(w_int8).to(dtype)) * scale.to(dtype).view(N)`, in either operand order.
-  (Its group-wise form, `Int8WeightOnlyConfig(granularity=PerGroup(g))`, dequantizes the whole weight
-  in the graph first and is not matched.)
+  (Its group-wise form, `Int8WeightOnlyConfig(granularity=PerGroup(g))`, is not matched.)
+- a weight dequantized in the graph from a one-byte weight and its scale alone (fp8 blocks as
+  DeepSeek's checkpoints hold them, per-channel int8 or fp8), however the scales are expanded:
+  recognized by its values on a probe (`_dequantizations`);
+- W8A8 Linears, `_int_mm` between a per-token quantizer and the two scales: serving code's SGLang
+  scheme and torchao's `Int8DynamicActivationInt8WeightConfig` in its s8s8 and u8s8 (VNNI) forms,
+  recognized by their values on a probe (`_w8a8_linears`).
 """
 
 from __future__ import annotations
@@ -154,7 +160,8 @@ def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -
 # reads a one-byte weight and a scale and nothing else (no activation) is run once on probe values,
 # and taken when its result equals `dequantize_weight`'s bit for bit for some block size. So any
 # spelling of the expansion of block scales (repeat_interleave, expand and view, indexing) is found,
-# and one that rounds differently (a bf16 multiply, a scale inverted in the graph) is left alone.
+# and one that computes other values (a scale rounded to bf16 first, scales assigned to other blocks)
+# is left alone. A probe is cached by the chain's structure and shapes: a model's layers share it.
 _SOURCE_OPS = ("placeholder", "get_attr")
 _PROBE_SEED = 0
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -229,7 +236,16 @@ def _probe(node: Node, generator: torch.Generator) -> torch.Tensor:
     return (torch.rand(val.shape, generator=generator) + 0.5).to(val.dtype)
 
 
-_dequantization_cache: dict[tuple, Optional[tuple]] = {}
+_probe_cache: dict[tuple, object] = {}
+
+
+def _probed(chain: Origin, inputs: tuple[Node, ...], identify) -> object:
+    """identify() of a chain over these inputs, once per structure, input shapes and dtypes."""
+    key = (_structure(chain.graph), *((tuple(n.meta["val"].shape), n.meta["val"].dtype) for n in inputs))
+    if key not in _probe_cache:
+        with torch.utils._python_dispatch._disable_current_modes():  # real tensors inside a traced compile
+            _probe_cache[key] = identify()
+    return _probe_cache[key]
 
 
 def _structure(graph: Graph) -> tuple:
@@ -246,24 +262,23 @@ def _structure(graph: Graph) -> tuple:
 
 def _identify(chain: Origin, weight: Node, scale: Node) -> Optional[tuple]:
     """(block size, transposed) for which the chain computes `dequantize_weight`, or None."""
-    key = (_structure(chain.graph), _static_shape(weight), weight.meta["val"].dtype,
-           _static_shape(scale), scale.meta["val"].dtype)
-    if key not in _dequantization_cache:
-        _dequantization_cache[key] = None
-        with torch.utils._python_dispatch._disable_current_modes():  # real tensors inside a traced compile
-            generator = torch.Generator().manual_seed(_PROBE_SEED)
-            w, s = _probe(weight, generator), _probe(scale, generator)
-            result = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(w, s)
-            dtype = result.dtype
-            for block in _block_candidates(_static_shape(weight), _static_shape(scale)):
-                expected = dequantize_weight(w, s.float(), block).to(dtype)
-                for transposed, value in ((False, expected), (True, expected.T)):
-                    if result.shape == value.shape and torch.equal(result, value):
-                        _dequantization_cache[key] = (block, transposed)
-                        break
-                if _dequantization_cache[key] is not None:
-                    break
-    return _dequantization_cache[key]
+
+    def identify():
+        generator = torch.Generator().manual_seed(_PROBE_SEED)
+        w, s = _probe(weight, generator), _probe(scale, generator)
+        result = _run(chain, w, s)
+        for block in _block_candidates(_static_shape(weight), _static_shape(scale)):
+            expected = dequantize_weight(w, s.float(), block).to(result.dtype)
+            for transposed, value in ((False, expected), (True, expected.T)):
+                if result.shape == value.shape and torch.equal(result, value):
+                    return block, transposed
+        return None
+
+    return _probed(chain, (weight, scale), identify)
+
+
+def _run(chain: Origin, *inputs: torch.Tensor):
+    return torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(*inputs)
 
 
 def _dequantizations(graph: Graph) -> int:
@@ -327,10 +342,11 @@ def _ancestors(node: Node) -> list[Node]:
     return [n for n in node.graph.nodes if n in seen]
 
 
-# SGLang's W8A8 Linear spelled in PyTorch (serving code): x quantized per token to int8, `_int_mm` with
-# the transposed int8 weight, the int32 product times the token's and the channel's scales, cast back.
-# Found from its `_int_mm`; the quantizer (walked back from the GEMM's int8 operand) and the epilogue
-# (walked forward) are recognized by what they compute, as the weight dequantizations are.
+# W8A8 Linears (SGLang's spelled in PyTorch by serving code, torchao's dynamic int8): x quantized per
+# token to int8, `_int_mm` with the transposed int8 weight, the int32 product times the token's and the
+# channel's scales, cast back. Found from its `_int_mm`; the quantizer (walked back from the GEMM's
+# 8-bit operand) and the epilogue (walked forward) are recognized by what they compute, against each
+# scheme of ops/weight_quant.py, as the weight dequantizations are.
 _VIEWS = (aten.view.default, aten.reshape.default)
 _QUANTIZER_OPS = (prims.convert_element_type.default, aten.mul.Tensor, aten.div.Tensor, aten.round.default,
                   aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
@@ -344,7 +360,7 @@ def _quantizer_input(quantized: Node) -> Optional[Node]:
     """The floating tensor an 8-bit GEMM operand [M, K] was quantized from: the farthest node back
     along the quantizer's first arguments that holds rows of K (x itself, or x flattened)."""
     found, node = None, quantized
-    rows, k = quantized.meta["val"].shape
+    k = quantized.meta["val"].shape[-1]
     while isinstance(node, Node) and node.op == "call_function" and node.target in _QUANTIZER_OPS:
         node = node.args[0]
         val = node.meta.get("val") if isinstance(node, Node) else None
@@ -385,11 +401,11 @@ def _w8a8_scheme(chain: Origin, x: Node, weight: Node, scale: Node) -> Optional[
     None. The quantizer is compared level by level (a multiplier Inductor decomposed into a reciprocal
     may move a near-tie: one level, rarely), the result within the fp32 sum's rounding and the
     output's (torchao rounds twice)."""
-    with torch.utils._python_dispatch._disable_current_modes():
+    def identify():
         generator = torch.Generator().manual_seed(_PROBE_SEED)
         x_probe, w, s = _probe_activations(x, generator), _probe(weight, generator), _probe(scale, generator)
         try:
-            out, q = torch.fx.Interpreter(torch.fx.GraphModule(torch.nn.Module(), chain.graph)).run(x_probe, w, s)
+            out, q = _run(chain, x_probe, w, s)
         except Exception:  # a chain that reads a dynamic size as its own input: not probed, not matched
             return None
         q = q.int() - 128 if q.dtype == torch.uint8 else q.int()
@@ -402,7 +418,9 @@ def _w8a8_scheme(chain: Origin, x: Node, weight: Node, scale: Node) -> Optional[
             close = out.numel() == expected.numel() and torch.allclose(
                 out.double().reshape(expected.shape), expected, rtol=2**-6, atol=1e-6)
             return scheme if close else None
-    return None
+        return None
+
+    return _probed(chain, (x, weight, scale), identify)
 
 
 def _w8a8_linears(graph: Graph) -> int:
