@@ -17,7 +17,7 @@ from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 from mla_inductor.patterns import quantized_linear
 from mla_inductor.quantization import BlockFp8Linear, W8A8Linear
-from quant_utils import dequantize_fp64
+from quant_utils import dequantize_fp64, quantize_rows_int8_fp64, quantize_rows_int8_torchao_fp64
 
 DEQUANTIZE = torch.ops.mla.dequantize_weight
 
@@ -162,25 +162,31 @@ def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(de
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
 
 
-def test_llama_fires_gqa_qkv_over_the_int8_weights_and_matches_eager():
-    """Compiled: the three int8 projections as one segmented GEMM reading them as they are (with the
-    norm and both rotations); o_proj and the MLP keep Inductor's `_weight_int8pack_mm`."""
-    model = int8_weight_only(tiny_gqa_model("llama", torch.bfloat16, layers=1))
+def test_llama_fires_gqa_qkv_over_int8_weights_weight_only_and_w8a8():
+    """Compiled, one graph of two Llamas, torchao's int8 weight-only and dynamic int8 (W8A8): the three
+    int8 projections as one segmented GEMM reading them as they are (with the norm and both rotations;
+    for W8A8, x quantized in the template by torchao's scheme); o_proj and the MLP keep Inductor's
+    `_weight_int8pack_mm` and `_int_mm`."""
+    weight_only = int8_weight_only(tiny_gqa_model("llama", torch.bfloat16, layers=1))
+    w8a8 = tiny_gqa_model("llama", torch.bfloat16, layers=1)
+    quantize_(w8a8, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
-    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    fn = lambda ids: [m(input_ids=ids, use_cache=False).logits for m in (weight_only, w8a8)]  # noqa: E731
     torch._dynamo.reset()
     mla_inductor.reset_counts()
     with torch.no_grad():
         expected = fn(ids)
         actual, (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"), ids)
-    assert mla_inductor.fusion_counts()["gqa_qkv"] == 1
-    assert "mi::nt_task_scaled(" in code and "const mi::WeightScales scales[S]" in code
-    assert "_weight_int8pack_mm" in code
-    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
+    assert code.count("mi::nt_task_scaled(") == 2 and "const mi::WeightScales scales[S]" in code
+    assert "mi::quantize_row_int8<mi::ActivationQuant::kTorchao>(" in code
+    assert "_weight_int8pack_mm" in code and "_int_mm" in code
+    torch.testing.assert_close(actual[0], expected[0], atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(actual[1], expected[1], atol=0.15, rtol=0.05)  # W8A8 (see the DeepSeek test)
 
 
-def test_gqa_qkv_declines_block_scaled_and_w8a8_weights():
-    """qkv_projection takes per-channel weight-only scales."""
+def test_gqa_qkv_declines_block_scaled_weights():
+    """qkv_projection takes per-channel scales only; every fused op, weights quantized alike."""
     dequantize = torch.ops.mla.dequantize_weight.default
     graph = torch.fx.Graph()
     nodes = {}
@@ -191,23 +197,25 @@ def test_gqa_qkv_declines_block_scaled_and_w8a8_weights():
     reason = quantized_linear.decline_reason(nodes, per_channel_only=True)
     assert reason is not None and "per-channel" in reason
     assert quantized_linear.decline_reason(nodes) is None  # quantized alike: qkv_a_proj takes them
-    for node in nodes.values():
-        node.args = (node.args[0], node.args[1], None, node.args[3])
-        node.meta["mla_activation_quant"] = "int8"
-    assert "W8A8" in quantized_linear.decline_reason(nodes, per_channel_only=True)
+    nodes["q_weight"].meta["mla_activation_quant"] = "int8"
+    assert "quantized differently" in quantized_linear.decline_reason(nodes)  # one W8A8, one weight-only
     assert "not" in quantized_linear.decline_reason({**nodes, "v_weight": graph.placeholder("v_weight")})
 
 
-def test_qkv_projection_reference_with_int8_weights_against_fp64():
-    """gqa_qkv's GEMM op over per-channel int8 weights: the fp64 product of the dequantized weights,
-    plus bias, rounded once."""
+@pytest.mark.parametrize("activation_quant", ["none", "int8", "int8_torchao"])
+def test_qkv_projection_reference_with_int8_weights_against_fp64(activation_quant):
+    """gqa_qkv's GEMM op over per-channel int8 weights: the fp64 product of the dequantized weights
+    (and for W8A8 of x quantized per token by the scheme), plus bias, rounded once."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 3, 64, generator=g).to(torch.bfloat16)
     weights, scales = zip(*(quantize_weight_int8(torch.randn(n, 64, generator=g)) for n in (32, 16, 16)))
     bias = torch.randn(64, generator=g).to(torch.bfloat16)
-    out = torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales))
+    out = torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales),
+                                       activation_quant=activation_quant)
     w = torch.cat([dequantize_fp64(q, s) for q, s in zip(weights, scales)])
-    expected = (x.double() @ w.T + bias.double()).to(torch.bfloat16)
+    xq = {"none": lambda x: x.double(), "int8": quantize_rows_int8_fp64,
+          "int8_torchao": quantize_rows_int8_torchao_fp64}[activation_quant](x)
+    expected = (xq @ w.T + bias.double()).to(torch.bfloat16)
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     with pytest.raises(ValueError, match="weight_scales has 2 scales for 3 weights"):
         torch.ops.mla.qkv_projection(x, list(weights), bias, None, None, 0, 0, 0, "BSD", weight_scales=list(scales[:2]))

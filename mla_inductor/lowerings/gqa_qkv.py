@@ -20,18 +20,22 @@ class QkvProjectionTemplate(FusedOpTemplate):
     template_file = "gqa_qkv.cpp.j2"
 
     def __init__(self, inputs: dict, segments: list, scales: list, layout: ir.Layout, segment_rows: list[int],
-                 d_head: int, rotated_heads: int, output_layout: str) -> None:
+                 d_head: int, rotated_heads: int, output_layout: str, activation_quant: str) -> None:
         named = {**{f"W{i}": w for i, w in enumerate(segments)}, **{f"WS{i}": s for i, s in enumerate(scales)}}
         super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
         self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
+        self.activation_quant = activation_quant
 
-    def _scale_options(self, kernel) -> list[dict]:
+    def _quantized_options(self, kernel) -> dict:
+        """quantize_x (the W8A8 scheme, or None) and weight_scales: per weight (scale input, nt_dot.h's
+        WeightScales)."""
         if not self.scales:
-            return []
-        quantized = quantized_weights(self.scales, None, "none")
+            return dict(quantize_x=None, weight_scales=[])
+        quantized = quantized_weights(self.scales, None, self.activation_quant)
         options = quantized_options(kernel, quantized, **{f"w{i}": w for i, w in enumerate(self.segments)})
-        return [options[f"w{i}_scales"] for i in range(len(self.segments))]
+        scales = [options[f"w{i}_scales"] for i in range(len(self.segments))]
+        return dict(quantize_x=options["quantize_x"], weight_scales=list(zip(self.scales, scales)))
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
@@ -48,8 +52,7 @@ class QkvProjectionTemplate(FusedOpTemplate):
             segments=self.segments,
             segment_rows=self.segment_rows,
             ld_segments=[kernel.stride(w, 0) for w in self.segments],
-            # int8 / fp8 weights, one scale per output channel each: (scale input, nt_dot.h's WeightScales)
-            weight_scales=list(zip(self.scales, self._scale_options(kernel))),
+            **self._quantized_options(kernel),
             y_origin=[0] * len(self.layout.size),
             d_head=self.d_head,
             rotated_heads=self.rotated_heads,
@@ -70,11 +73,12 @@ def _template_can_serve(x, weights, cos, weight_scales) -> bool:
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout,
-                         weight_scales=None):
+                         weight_scales=None, activation_quant="none"):
     args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
     dims = guard_ints(dict(hidden=x.get_size()[-1]))
     if dims is None or not _template_can_serve(x, weights, cos_cache, weight_scales):
-        return L.fallback_handler(OP, add_to_fallback_set=False)(*args, weight_scales=weight_scales)
+        return L.fallback_handler(OP, add_to_fallback_set=False)(*args, weight_scales=weight_scales,
+                                                                 activation_quant=activation_quant)
     batch, seq, hidden = x.get_size()
     rows = batch * seq
     x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
@@ -96,4 +100,4 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
     return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
-                                 output_layout).select()
+                                 output_layout, activation_quant).select()

@@ -211,7 +211,8 @@ def _has_heads(fused_rope, output_layout, k_cache) -> bool:
 @torch.library.custom_op(
     "mla::qkv_projection", mutates_args=(),
     schema="(Tensor x, Tensor[] weights, Tensor? bias, Tensor? cos_cache, Tensor? sin_cache, int d_head, "
-           "int num_q_heads, int num_kv_heads, str output_layout, Tensor[]? weight_scales=None) -> Tensor",
+           "int num_q_heads, int num_kv_heads, str output_layout, Tensor[]? weight_scales=None, "
+           "str activation_quant='none') -> Tensor",
 )
 def qkv_projection(
     x: Tensor,
@@ -224,19 +225,23 @@ def qkv_projection(
     num_kv_heads: int,
     output_layout: str,
     weight_scales: Optional[list[Tensor]] = None,
+    activation_quant: str = "none",
 ) -> Tensor:
     """x [B, S, H] times the weights' rows ([N_i, H] each, concatenated) + bias, the q and k heads
     rotated when cos/sin are given, as [B, S, I] or [heads, B, S, d_head]. d_head is 0 when the
     output has no head structure (BSD, no RoPE).
 
     With `weight_scales` the weights are int8 or fp8 with one fp32 scale per output channel each
-    (ops/weight_quant.py: torchao's int8 weight-only Linears, which the patterns fold in here); the
-    GEMM runs in fp32 and its sum plus bias rounds once."""
+    (ops/weight_quant.py: torchao's int8 Linears, which the patterns fold in here), and for W8A8
+    (`activation_quant`, int8 weights) x is quantized per token first, once for all weights; the GEMM
+    runs in fp32 and its sum plus bias rounds once."""
     if weight_scales is None:
+        if activation_quant != "none":
+            _Fail("qkv_projection")(f"activation_quant={activation_quant!r} needs int8 weights with weight_scales")
         out = F.linear(x, torch.cat(list(weights)), bias)
     else:
-        _check_weight_scales(x, weights, weight_scales)
-        out = torch.cat([linear_fp32(x, w, s, None) for w, s in zip(weights, weight_scales)], dim=-1)
+        _check_weight_scales(x, weights, weight_scales, activation_quant)
+        out = torch.cat([linear_fp32(x, w, s, None, activation_quant) for w, s in zip(weights, weight_scales)], dim=-1)
         out = (out if bias is None else out + bias.float()).to(x.dtype)
     if d_head == 0:
         return out
@@ -248,20 +253,21 @@ def qkv_projection(
     return (heads.reshape(B, S, -1) if output_layout == "BSD" else heads.permute(2, 0, 1, 3)).contiguous()
 
 
-def _check_weight_scales(x, weights, weight_scales) -> None:
+def _check_weight_scales(x, weights, weight_scales, activation_quant) -> None:
     fail = _Fail("qkv_projection")
     if len(weight_scales) != len(weights):
         fail(f"weight_scales has {len(weight_scales)} scales for {len(weights)} weights")
     for i, (w, s) in enumerate(zip(weights, weight_scales)):
-        check_quantized_weight(fail, f"weights[{i}]", w, f"weight_scales[{i}]", s, None, "none", x.dtype)
+        check_quantized_weight(fail, f"weights[{i}]", w, f"weight_scales[{i}]", s, None, activation_quant, x.dtype)
     if len({w.dtype for w in weights}) != 1:
         fail(f"the weights are quantized alike or not at all, got {[w.dtype for w in weights]}")
 
 
 @qkv_projection.register_fake
-def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout, weight_scales=None):
+def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout, weight_scales=None,
+      activation_quant="none"):
     if weight_scales is not None:
-        _check_weight_scales(x, weights, weight_scales)
+        _check_weight_scales(x, weights, weight_scales, activation_quant)
     out_features = sum(w.shape[0] for w in weights)
     return x.new_empty(_output_shape(x, out_features, output_layout, d_head))
 

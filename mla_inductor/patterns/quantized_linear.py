@@ -7,7 +7,7 @@ matches it unchanged, and `fold` hands the fused ops that take quantized weights
 q_b_absorb, gqa_qkv's qkv_projection) the one-byte weight and its scales instead of the dequantized
 one: their templates read it as it is (and, for W8A8, quantize x per token as the Linear did). A
 fusion declines weights its op cannot take as they are (`decline_reason`: one quantized and one not,
-block scales where the op takes per-channel ones, W8A8 where it takes weight-only quantization).
+or quantized differently, or block scales where the op takes per-channel ones).
 
 What no fusion took gets its own spelling back (`restore`), node for node, so that Inductor's own
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
@@ -504,8 +504,6 @@ def decline_reason(weights: dict[str, Node], per_channel_only: bool = False) -> 
         return f"{' and '.join(names)} are quantized differently ({sorted(map(str, formats))})"
     if per_channel_only and any(node.args[2] is not None for node in quantized.values()):
         return f"{' and '.join(names)} have block scales: the fused op takes per-channel scales only"
-    if per_channel_only and any(_activation_quant(node) != "none" for node in quantized.values()):
-        return f"{' and '.join(names)} are W8A8 (activations quantized per token): the fused op takes weight-only quantization"
     return None
 
 
@@ -586,7 +584,8 @@ def fold(graph: Graph) -> int:
                 continue  # the fusion's check declined mixed and block-scaled weights
             quantized = [_quantized_operand(graph, node, d) for d in dequantized]
             node.update_arg(index, [weight for weight, *_ in quantized])
-            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, *_ in quantized]}
+            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, *_ in quantized],
+                           "activation_quant": quantized[0][3]}  # alike: the fusion's check declined others
             folded += 1
     return folded
 
