@@ -18,7 +18,7 @@ from mla_inductor.models import get_config, make_block_tables
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.mla_decode import latent_decode_attention_dense
 
-from graph_utils import fired, greedy, rewrite_and_run, rewritten, serving_model_decode
+from graph_utils import fired, greedy, rewrite_and_run, rewritten
 
 op = torch.ops.mla.latent_decode_attention
 LORA, ROPE = 512, 64
@@ -443,10 +443,8 @@ mul_1 = mul.Tensor(permute_4, 2)""")
 # --- real models -----------------------------------------------------------------------------------
 
 
-def test_serving_model_decode_fires_per_layer_and_matches_eager():
-    expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True)
-    assert mla_inductor.fusion_counts()["mla_decode"] == 2
-    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
+# The serving model's decode (models/mla.py) is compiled once per shape mode for all of its fusions:
+# mla_decode is asserted there, static in test_qkv_a.py, dynamic with and without freezing in test_q_b_absorb.py.
 
 
 def hf_case(arch, dtype, batch, prompt_len=12, hf_overrides=None, **overrides):

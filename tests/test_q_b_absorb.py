@@ -242,8 +242,9 @@ mul_4 = mul.Tensor(q_b_absorb_default, 2)""")
 @pytest.mark.parametrize("freezing", [False, True])
 def test_serving_model_decode_fires_per_layer_and_matches_eager(freezing):
     """Per layer: q_b_absorb on the q latent of qkv_a_proj, which rotates k_pe (q_pe's rotation is
-    inside q_b_absorb): the whole chain as qkv_proj_with_rope."""
+    inside q_b_absorb): the whole chain as qkv_proj_with_rope; and the latent attention as mla_decode,
+    batch and cache length symbolic."""
     expected, actual = serving_model_decode(2, [17, 33, 1], dynamic=True, freezing=freezing)
     counts = mla_inductor.fusion_counts()
-    assert counts["qkv_proj_with_rope"] == counts["rope"] == counts["q_b_absorb"] == 2, counts
+    assert counts["qkv_proj_with_rope"] == counts["rope"] == counts["q_b_absorb"] == counts["mla_decode"] == 2, counts
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
