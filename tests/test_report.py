@@ -10,12 +10,12 @@ from mla_inductor.models import weight_bytes
 
 
 def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
-    """The decode half of `--quick` for the transformers models, without the stock-frozen variant (prefill
-    runs the same code with another phase, the serving model's decode another builder, stock-frozen
-    stock's compile with other options; each would add a third to the suite's longest test: 37 s a
-    model on a cold cache here)."""
+    """`--quick` for one model and phase, Llama's decode, without the stock-frozen variant: the other
+    models, phases and variants run the same code with other builders and options, and each would add
+    the whole of this test again to the suite's longest (37 s a model on a cold cache here). The
+    builders of every case are tested below without compiling."""
     variants = ["eager", "stock", "mla_inductor"]
-    result = report.main(["--quick", "--model", "hf", "llama", "--phase", "decode", "--variants", *variants,
+    result = report.main(["--quick", "--model", "llama", "--phase", "decode", "--variants", *variants,
                           "--out", str(tmp_path), "--name", "r"])
     written = json.loads((tmp_path / "r.json").read_text())
     assert written == json.loads(json.dumps(result))
@@ -23,7 +23,7 @@ def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
     markdown = (tmp_path / "r.md").read_text()
 
     labels = [r["label"] for r in written["results"]]
-    assert labels == ["hf decode B=1 ctx 64", "llama decode B=1 ctx 64"]
+    assert labels == ["llama decode B=1 ctx 64"]
     assert written["machine"]["copy_bandwidth_GBps"] > 1 and written["machine"]["gemm_GFLOPs"] > 1
     for r in written["results"]:
         assert set(r["times_s"]) == set(variants)
@@ -32,7 +32,7 @@ def test_quick_report_writes_json_markdown_and_chart(tmp_path, capsys):
         assert r["roofline_bound"] == "memory"  # a few MB of weights against a few MFLOP
         assert r["speedup"]["vs_stock_best"] > 0
         assert r["label"] in markdown
-    llama_decode = written["results"][1]["fusion_counts"]
+    llama_decode = written["results"][0]["fusion_counts"]
     assert llama_decode["gqa_qkv"] == llama_decode["gqa_decode"] == 2  # one per layer
     assert "| case |" in capsys.readouterr().out
 
@@ -67,3 +67,21 @@ def test_w8a8_cases_are_every_model_with_per_token_int8_activations():
         "serving w8a8 decode B=1 ctx 64", "hf w8a8 decode B=1 ctx 64", "llama w8a8 decode B=1 ctx 64"]
     model = report.quantized(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16), "w8a8")
     assert weight_bytes(model) < 48 * 64 * 2  # int8, not bf16
+
+
+@pytest.mark.parametrize("quant", ["none", "w8a8", "fp8"])
+def test_every_quick_workload_runs_eagerly(quant):
+    """What the compiled test above leaves out: every model and phase of `--quick` builds its workload,
+    whose step runs (eagerly: the compiled step is the same function) and repeats after each reset, as
+    the report calls it."""
+    args = report.parse_args(["--quick", "--quant", quant])
+    builders = {"serving": report.serving_workload, "hf": report.hf_workload, "llama": report.llama_workload}
+    for case in report.build_cases(args):
+        workload = builders[case.model](report.model_config(args, case.model, torch.bfloat16), case, torch.bfloat16)
+        assert workload.weight_bytes > 0 and workload.flops > 0, case.label
+        with torch.no_grad():
+            workload.reset()
+            first = workload.fn(*workload.args)
+            workload.reset()
+            again = workload.fn(*workload.args)
+        assert torch.isfinite(first).all() and torch.equal(first, again), case.label

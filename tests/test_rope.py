@@ -425,12 +425,11 @@ apply_rope_default = mla.apply_rope(arg2_1, unsqueeze_2, unsqueeze_3, interleave
 
 # --- real models -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", ["v2", "v3"])
-def test_transformers_prefill_fires_per_layer_and_matches_eager(arch):
-    """q_pe and k_pe of every layer (v2's complex rotation, v3's interleaved one); k_pe's rotation then
-    moves into qkv_a_proj's epilogue. (v3's rotate_half spelling, rope_interleave=False, fires the same
-    way in every decode layer: test_mla_decode.py.)"""
-    model = build_hf_model(get_config("tiny", num_layers=2), arch=arch, dtype=torch.bfloat16)
+def test_transformers_prefill_fires_per_layer_and_matches_eager():
+    """q_pe and k_pe of every layer (v3's interleaved rotation); k_pe's rotation then moves into
+    qkv_a_proj's epilogue. v2's complex rotation and v3's rotate_half spelling (rope_interleave=False)
+    fire the same way in every decode layer of test_mla_decode.py's transformers models."""
+    model = build_hf_model(get_config("tiny", num_layers=2), arch="v3", dtype=torch.bfloat16)
     ids = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(0))
     torch._dynamo.reset()
     with torch.no_grad():
