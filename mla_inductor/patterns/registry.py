@@ -8,6 +8,7 @@ counted and explained (record.py).
 
 from __future__ import annotations
 
+import copy
 import functools
 import operator
 from typing import Any, Callable, Optional, Sequence
@@ -75,17 +76,29 @@ def _functional_decompositions(gm: torch.fx.GraphModule) -> None:
             node.target = functional
 
 
-def trace_for_stage(stage: str) -> Callable:
-    """How a search function becomes a pattern graph for `stage`."""
+def trace_for_stage(stage: str, first: Optional[dict] = None) -> Callable:
+    """How a search function becomes a pattern graph for `stage`.
+
+    `first`, while it holds "open", shares the trace of one registration's example inputs between its
+    stages: the first stage traces, the others copy that graph (the two stages' patterns differ only in
+    post_grad's reshapes for views, which need no trace). Tracing is most of what registering the
+    fusions costs, and every process pays it before its first compile. The traces at match time (the
+    strict re-trace with a match's shapes) come after registration, with `first` closed."""
 
     def trace(fn: Callable, *args: Any, **kwargs: Any) -> torch.fx.GraphModule:
-        gm = fwd_only(fn, *args, **kwargs)
-        _functional_decompositions(gm)
-        canonical_gemm_splits(gm.graph)
-        gm.recompile()
+        if first is not None and "graph" in first:
+            gm = copy.deepcopy(first["graph"])
+        else:
+            gm = fwd_only(fn, *args, **kwargs)
+            _functional_decompositions(gm)
+            canonical_gemm_splits(gm.graph)
+            _scalar_tensor_to_full(gm)
+            if first is not None and "open" in first:
+                # the joint stage only reads its graph; post_grad's gets its reshapes below
+                first["graph"] = gm if stage == "joint" else copy.deepcopy(gm)
         if stage == "post_grad":
             view_to_reshape(gm)
-        _scalar_tensor_to_full(gm)
+            gm.recompile()
         return gm
 
     return trace
@@ -113,8 +126,9 @@ def register_fusion(
     """
     if functionalize:
         search_fn = functools.wraps(search_fn)(torch.func.functionalize(search_fn))
+    first = {"open": True}
     for stage in stages:
-        trace = trace_for_stage(stage)
+        trace = trace_for_stage(stage, first)
         if size_agnostic:
             # exclusive_arg_names only takes effect where the pattern is generated: pass it here too
             kwargs["search_fn_pattern"] = gen_pattern(
@@ -130,6 +144,7 @@ def register_fusion(
             extra_check=checked(fusion, stage, check),
             **kwargs,
         )
+    first.clear()
 
 
 
