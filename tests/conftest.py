@@ -1,7 +1,12 @@
 import os
 
-import pytest
-import torch
+# One compile at a time per worker, in the worker: the two workers of `make test` already fill the two
+# cores, and a compile pool per worker only adds its start-up and hand-offs (12% of a compile-bound
+# module's time). Set before torch is imported, so that the subprocesses some tests start inherit it.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Tests compare numerics, not speed: keep compiles deterministic and the thread count fixed. Under
 # pytest-xdist (make test) the workers share the cores; one thread each keeps OpenMP from spinning on a
