@@ -111,6 +111,18 @@ __attribute__((always_inline)) inline __m128 reduce_add_4(__m512 a0, __m512 a1, 
 }
 #endif
 
+#if defined(__AVX2__)
+// The same for AVX2's eight lanes: 11 instructions for four sums, where four separate reductions take
+// 24 (a 4-head score tile of grouped-query decode reduces as many vectors per row as it multiplies).
+__attribute__((always_inline)) inline __m128 reduce_add_4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+  const __m256 t23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+#endif
+
 inline float reduce_add(const at::vec::Vectorized<float>& v) {
   return at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return a + b; }, v);
 }
@@ -124,6 +136,19 @@ __attribute__((always_inline)) inline void horizontal_sums(const V (&acc)[N], fl
 #if defined(__AVX512F__)
   if constexpr (N == 4 && sizeof(V) == sizeof(__m512)) {
     _mm_storeu_ps(dst, _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(acc[0], acc[1], acc[2], acc[3])));
+    return;
+  }
+#endif
+#if defined(__AVX2__)
+  if constexpr (N >= 2 && N <= 4 && sizeof(V) == sizeof(__m256)) {  // missing vectors sum as zeros
+    auto vector = [&](int n) -> __m256 { return n < N ? __m256(acc[n]) : _mm256_setzero_ps(); };
+    const __m128 sums = _mm_mul_ps(_mm_set1_ps(scale), reduce_add_4(vector(0), vector(1), vector(2), vector(3)));
+    if constexpr (N == 4) {
+      _mm_storeu_ps(dst, sums);
+    } else {
+      _mm_storel_pi(reinterpret_cast<__m64*>(dst), sums);
+      if constexpr (N == 3) _mm_store_ss(dst + 2, _mm_movehl_ps(sums, sums));
+    }
     return;
   }
 #endif
@@ -248,6 +273,36 @@ constexpr int kDirectRows = 2;
 // Whether the portable kernels for H heads widen straight from the cache (no fp32 copies of the rows).
 constexpr bool widens_from_cache(int H) { return H <= kDirectHeads; }
 
+// Whether those kernels read a bf16 cache sixteen values at a time in pairs (widen_bf16x16_paired): on
+// AVX2, where the in-order widening (a zero-extending load and a shift per eight values) ran on the
+// pipes the FMAs need (a Zen 1 core retires one ymm FMA a cycle, and a grouped-query row of 4 heads
+// takes 4 per 8 values).
+template <typename C, int H>
+constexpr bool pairs_columns() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return std::is_same_v<C, c10::BFloat16> && widens_from_cache(H);
+#else
+  return false;
+#endif
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// Sixteen bf16 widened to fp32 by one load and two in-lane unpacks with zeros: `lo` holds columns 0-3 and
+// 8-11, `hi` 4-7 and 12-15. The score tiles multiply them by a query stored in the same order
+// (pair_columns); the P.V tiles leave o's columns so, and restore_column_order puts them back.
+__attribute__((always_inline)) inline void widen_bf16x16_paired(const c10::BFloat16* p, __m256& lo, __m256& hi) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), bits));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), bits));
+}
+#endif
+
+// Swaps columns 4-7 and 8-11 of every whole run of sixteen in row[0, n): the order of
+// widen_bf16x16_paired to natural order and back.
+inline void pair_columns(float* row, int64_t n) {
+  for (int64_t i = 0; i + 16 <= n; i += 16) std::swap_ranges(row + i + 4, row + i + 8, row + i + 8);
+}
+
 // Value rows for the P.V tiles: fp32 rows `ld` apart; a block's cache rows (`const T* const*`) serve as is.
 struct StridedRows {
   const float* v;
@@ -289,7 +344,16 @@ inline void pv_tile_fp32(const float* p, int64_t ldp, Rows v, int n, int64_t c, 
     for (int i = 0; i < C; ++i) acc[h][i] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c + i * W) : Vec(0.f);
   for (int j = 0; j < n; ++j) {
     Vec vv[C];
-    for (int i = 0; i < C; ++i) vv[i] = load_floats(v[j] + c + i * W);
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (C == 2 && std::is_convertible_v<Rows, const c10::BFloat16* const*>) {
+      __m256 lo, hi;
+      widen_bf16x16_paired(v[j] + c, lo, hi);
+      vv[0] = lo, vv[1] = hi;
+    } else
+#endif
+    {
+      for (int i = 0; i < C; ++i) vv[i] = load_floats(v[j] + c + i * W);
+    }
     for (int h = 0; h < MH; ++h) {
       const Vec pj(p[h * ldp + j]);
       for (int i = 0; i < C; ++i) acc[h][i] = at::vec::fmadd(pj, vv[i], acc[h][i]);
@@ -638,13 +702,15 @@ inline void prefetch_block_rows(const BlockRows<T, IndexT>& rows, int i0, int co
 // qk_tile_fp32 for the first head tile of a row tile: it reads the rows from the cache (K_n = key[n] |
 // rope[n]), widens them in registers and, if STORE, also stores them, widened, at k[n] (rows D1 + D2
 // apart), where the other head tiles and the P.V pass read them. Each row is converted once per step;
-// the stores ride along with this tile's FMAs.
-template <typename T, int64_t D1, int64_t D2, int MH, int NR, bool STORE = true>
+// the stores ride along with this tile's FMAs. PAIRED (bf16 rows, nothing stored): whole runs of
+// sixteen columns are widened in pairs, against a query paired the same way (pairs_columns).
+template <typename T, int64_t D1, int64_t D2, int MH, int NR, bool STORE = true, bool PAIRED = false>
 inline void qk_tile_widening(const float* q, const T* const* key, const T* const* rope, float* k, float scale,
                              float* s, int64_t lds) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int64_t W = Vec::size();
   constexpr int64_t D = D1 + D2;
+  static_assert(!(PAIRED && STORE), "paired columns are for products only");
   Vec acc[MH][NR];
   for (int h = 0; h < MH; ++h)
     for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
@@ -665,12 +731,26 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
       for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
     }
   };
-  for (int64_t i = 0; i + W <= D1; i += W) step(key, i, i, W);
-  if constexpr (D1 % W != 0) step(key, D1 - D1 % W, D1 - D1 % W, D1 % W);
-  if constexpr (D2 > 0) {
-    for (int64_t i = 0; i + W <= D2; i += W) step(rope, i, D1 + i, W);
-    if constexpr (D2 % W != 0) step(rope, D2 - D2 % W, D - D2 % W, D2 % W);
-  }
+  // columns [0, width) of rows, which are columns [col, col + width) of K_n and of q
+  auto segment = [&](const T* const* rows, int64_t width, int64_t col) __attribute__((always_inline)) {
+    int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (PAIRED) {
+      for (; i + 2 * W <= width; i += 2 * W) {
+        __m256 lo[NR], hi[NR];
+        for (int n = 0; n < NR; ++n) widen_bf16x16_paired(rows[n] + i, lo[n], hi[n]);
+        for (int h = 0; h < MH; ++h) {
+          const Vec q_lo = Vec::loadu(q + h * D + col + i), q_hi = Vec::loadu(q + h * D + col + i + W);
+          for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(q_hi, Vec(hi[n]), at::vec::fmadd(q_lo, Vec(lo[n]), acc[h][n]));
+        }
+      }
+    }
+#endif
+    for (; i + W <= width; i += W) step(rows, i, col + i, W);
+    if (i < width) step(rows, i, col + i, width - i);
+  };
+  segment(key, D1, 0);
+  if constexpr (D2 > 0) segment(rope, D2, D1);
   for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
@@ -692,8 +772,8 @@ inline void block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2
       // the P.V pass reads a value cache of its own straight after: its rows come in with the keys
       if (b.own_values) prefetch_block_rows(b.value, ahead, kDirectRows, n, n_next, L * int64_t(sizeof(T)));
       dispatch_count<kDirectRows>(std::min(kDirectRows, n - n0), [&]<int NR>() {
-        qk_tile_widening<T, D1, D2, H, NR, false>(qf, b.key.rows + n0, b.rope.rows + n0, nullptr, scale, s + n0,
-                                                  kKvBlock);
+        qk_tile_widening<T, D1, D2, H, NR, false, pairs_columns<T, H>()>(qf, b.key.rows + n0, b.rope.rows + n0,
+                                                                          nullptr, scale, s + n0, kKvBlock);
       });
     }
     return;
@@ -783,7 +863,13 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
     qf = thread_scratch(H * D + (kDirect ? 0 : kKvBlock * D + (b.own_values ? kKvBlock * L : 0)));
     keys = qf + H * D;
     values = keys + kKvBlock * D;
-    for (int h = 0; h < H; ++h) widen_row(q + h * ldq, D, qf + h * D);
+    for (int h = 0; h < H; ++h) {
+      widen_row(q + h * ldq, D, qf + h * D);
+      if constexpr (pairs_columns<C, H>()) {  // in the order the score tiles widen the rows
+        pair_columns(qf + h * D, D1);
+        pair_columns(qf + h * D + D1, D2);
+      }
+    }
   }
   bool first = true;  // o is written, not rescaled, by the first block that is not skipped
   gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
@@ -843,8 +929,9 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 
 // latent = stored with its columns in natural order: the bf16 P.V kernel stores them permuted in runs of
 // four (paired_column), which move as one 16-byte copy (a scalar loop over the columns cost 1.5% of a
-// 4096-row step and most of a short one).
-template <typename T, typename C, int64_t L>
+// 4096-row step and most of a short one); the portable one, reading bf16 rows in pairs, swaps two runs
+// of four in every sixteen (pair_columns).
+template <typename T, typename C, int H, int64_t L>
 inline void restore_column_order(const float* stored, float* latent) {
 #if defined(__AVX512BF16__)
   if constexpr (use_bf16_kernels<T, C>(L)) {
@@ -856,6 +943,7 @@ inline void restore_column_order(const float* stored, float* latent) {
   }
 #endif
   std::copy(stored, stored + L, latent);
+  if constexpr (pairs_columns<C, H>()) pair_columns(latent, L);
 }
 
 // Per-task scratch of the template: m [H], l [H], then o [H, L] (columns as restore_column_order takes them).
@@ -889,7 +977,7 @@ inline void merge_splits(const float* tasks, int64_t splits, int h, float* laten
       at::vec::fmadd(weight, Vec::loadu(o + i, count), Vec::loadu(merged + i, count)).store(merged + i, count);
     }
   }
-  restore_column_order<T, C, L>(merged, latent);
+  restore_column_order<T, C, H, L>(merged, latent);
 }
 
 // out[k * ld_out + r] = latents[k] . w[r] for NB requests x NR rows of w, rounded once. The tile's
