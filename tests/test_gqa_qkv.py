@@ -39,7 +39,7 @@ def call_qkv(a, layout="BSD", bias=False, residual=(), norm="none", rope=False, 
     fn = fn or torch.ops.mla.qkv
     k_cache, v_cache, k_scale, v_scale, block, slots = cache or (None,) * 6
     return fn(
-        a["input"], a["fused_qkv_weights"], layout, a["bias"] if bias else None, bool(residual),
+        a["input"], a["fused_qkv_weights"], layout, a["bias"] if bias else None, "none", None, None, bool(residual),
         a["mlp_prev"] if "mlp" in residual else None, a["attention_prev"] if "attention" in residual else None,
         norm, a["gamma"] if norm in ("rms_norm", "layer_norm") else None, a["beta"] if norm == "layer_norm" else None,
         1e-5, rope, a["cos"] if rope else None, a["sin"] if rope else None, D, NQ, NKV,
@@ -134,6 +134,80 @@ def test_op_rejects_bad_input_naming_the_argument(change, message):
     a = make_inputs(torch.float32)
     args = dict(input=a["input"], fused_qkv_weights=a["fused_qkv_weights"], output_layout="BSD", d_head=D,
                 num_q_heads=NQ, num_kv_heads=NKV, fused_rope=True, cos_cache=a["cos"], sin_cache=a["sin"])
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.mla.qkv(**args)
+
+
+# --- Neuron's FP8 quantization types: float8_e4m3fn weights, the activations quantized to fp8 -----------
+
+
+def fp8_case(kind, seed=0):
+    """Inputs of quantization_type `kind` ("row" or "static") with rotary q / k heads, and its fp64
+    result: weights and activations quantized as the Neuron types say (a tensor's fp8 rounding is
+    torch's cast), the products and the scales in fp64."""
+    a = make_inputs(torch.bfloat16, seed=seed)
+    w = a["fused_qkv_weights"].double()
+    if kind == "row":  # a scale per weight column; each token by its own absmax
+        w_scale = (w.abs().amax(0) / 448).float()[None]
+        columns = w_scale[0].double()
+        x_scale = a["input"].double().abs().amax(-1, keepdim=True) / 448
+        in_scale = None
+    else:  # a scale per q, k, v section; every token by one input scale
+        w_scale = torch.tensor([[0.004, 0.003, 0.005]])
+        columns = torch.cat([w_scale[0, i].double().expand(n) for i, n in enumerate((NQ * D, NKV * D, NKV * D))])
+        in_scale = torch.tensor([[0.02]])
+        x_scale = torch.full((B, S, 1), 0.02, dtype=torch.float64)
+    weights = (w / columns).clamp(-448, 448).to(FP8)
+    x = (a["input"].double() / x_scale).clamp(-448, 448).float().to(FP8)
+    qkv = (x.double() @ weights.double()) * x_scale * columns
+    heads = qkv.view(B, S, -1, D)
+    cos, sin = a["cos"].double()[:, :, None], a["sin"].double()[:, :, None]
+    rotated = heads[:, :, : NQ + NKV]
+    rotated = rotated * cos + torch.cat([-rotated[..., D // 2 :], rotated[..., : D // 2]], -1) * sin
+    expected = torch.cat([rotated, heads[:, :, NQ + NKV :]], 2).reshape(B, S, -1)
+    args = dict(input=a["input"], fused_qkv_weights=weights, quantization_type=kind, qkv_w_scale=w_scale,
+                qkv_in_scale=in_scale, fused_rope=True, cos_cache=a["cos"], sin_cache=a["sin"], d_head=D,
+                num_q_heads=NQ, num_kv_heads=NKV)
+    return args, expected
+
+
+def test_fp8_quantization_types_match_fp64_eager_and_compiled():
+    """ROW and STATIC (their fp8 is float8_e4m3fn, largest value 448), the GEMM in the template over
+    the fp8 weights with the activations quantized inside it; one compile for both."""
+    cases = {kind: fp8_case(kind) for kind in ("row", "static")}
+
+    def both(row, static):
+        return torch.ops.mla.qkv(**row)[0], torch.ops.mla.qkv(**static, output_layout="NBSd")[0]
+
+    torch._dynamo.reset()
+    compiled, (code,) = run_and_get_code(torch.compile(both, backend="mla_inductor"), *(c[0] for c in cases.values()))
+    assert "kFp8Row" in code and "kFp8Static" in code and "mla.qkv_projection" not in code, "the template did not run"
+    eager = both(*(c[0] for c in cases.values()))
+    for (args, expected), ours, theirs, layout in zip(cases.values(), compiled, eager, ("BSD", "NBSd")):
+        for out in (ours, theirs):  # bf16 outputs of magnitude ~3: a bf16 step or two
+            torch.testing.assert_close(to_bsd(out, layout).double(), expected, atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(quantization_type="mx"), "quantization_type must be one of"),
+        (dict(qkv_w_scale=None), "quantization_type='row' needs qkv_w_scale"),
+        (dict(qkv_w_scale=torch.ones(1, I - 1)), rf"qkv_w_scale must be \[1, {I}\] or \[{I}\] for 'row'"),
+        (dict(qkv_in_scale=torch.ones(1, 1)), "qkv_in_scale is STATIC quantization's"),
+        (dict(quantization_type="static", qkv_w_scale=torch.ones(1, 3)), "'static' needs qkv_in_scale"),
+        (dict(quantization_type="static", qkv_w_scale=torch.ones(1, 3), qkv_in_scale=torch.ones(2)),
+         r"qkv_in_scale must hold one value"),
+        (dict(quantization_type="static", qkv_w_scale=torch.ones(I)), r"must be \[1, 3\] or \[3\] \(q, k, v\)"),
+        (dict(qkv_w_scale=torch.ones(1, I, dtype=torch.bfloat16)), "qkv_w_scale has dtype torch.bfloat16"),
+        (dict(fused_qkv_weights=torch.zeros(H, I, dtype=torch.bfloat16)),
+         "expected quantization_type='row': torch.float8_e4m3fn"),
+        (dict(quantization_type="none"), "fused_qkv_weights has dtype torch.float8_e4m3fn, expected input's"),
+    ],
+)
+def test_fp8_quantization_rejects_bad_arguments_naming_them(change, message):
+    args, _ = fp8_case("row")
     args.update(change)
     with pytest.raises(ValueError, match=message):
         torch.ops.mla.qkv(**args)

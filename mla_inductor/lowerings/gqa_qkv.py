@@ -73,12 +73,13 @@ def _template_can_serve(x, weights, cos, weight_scales) -> bool:
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout,
-                         weight_scales=None, activation_quant="none"):
+                         weight_scales=None, activation_quant="none", input_scale=None):
     args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
     dims = guard_ints(dict(hidden=x.get_size()[-1]))
     if dims is None or not _template_can_serve(x, weights, cos_cache, weight_scales):
         return L.fallback_handler(OP, add_to_fallback_set=False)(*args, weight_scales=weight_scales,
-                                                                 activation_quant=activation_quant)
+                                                                 activation_quant=activation_quant,
+                                                                 input_scale=input_scale)
     batch, seq, hidden = x.get_size()
     rows = batch * seq
     x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
@@ -94,6 +95,7 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
         "BIAS": realize_input(bias, contiguous=True),
         "COS": as_rows(cos_cache),
         "SIN": as_rows(sin_cache),
+        "XS": realize_input(input_scale, contiguous=True),  # fp8_static's activation scale
     }
     out_features = sum(segment_rows)
     size = [batch, seq, out_features] if output_layout == "BSD" else [out_features // d_head, batch, seq, d_head]

@@ -34,11 +34,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_cpu_tensors
-from .weight_quant import check_quantized_weight, linear_fp32
+from .weight_quant import ACTIVATION_QUANT, FP8_ACTIVATION_QUANT, check_quantized_weight, linear_fp32
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUTPUT_LAYOUTS = ("BSD", "NBSd")
 NORM_TYPES = ("none", "rms_norm", "rms_norm_skip_gamma", "layer_norm")
+QUANTIZATION_TYPES = ("none", "row", "static")  # Neuron's NONE, ROW, STATIC (MX is Trainium's)
 FP8 = torch.float8_e4m3fn
 
 
@@ -212,7 +213,7 @@ def _has_heads(fused_rope, output_layout, k_cache) -> bool:
     "mla::qkv_projection", mutates_args=(),
     schema="(Tensor x, Tensor[] weights, Tensor? bias, Tensor? cos_cache, Tensor? sin_cache, int d_head, "
            "int num_q_heads, int num_kv_heads, str output_layout, Tensor[]? weight_scales=None, "
-           "str activation_quant='none') -> Tensor",
+           "str activation_quant='none', Tensor? input_scale=None) -> Tensor",
 )
 def qkv_projection(
     x: Tensor,
@@ -226,22 +227,26 @@ def qkv_projection(
     output_layout: str,
     weight_scales: Optional[list[Tensor]] = None,
     activation_quant: str = "none",
+    input_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """x [B, S, H] times the weights' rows ([N_i, H] each, concatenated) + bias, the q and k heads
     rotated when cos/sin are given, as [B, S, I] or [heads, B, S, d_head]. d_head is 0 when the
     output has no head structure (BSD, no RoPE).
 
     With `weight_scales` the weights are int8 or fp8 with one fp32 scale per output channel each
-    (ops/weight_quant.py: torchao's int8 Linears, which the patterns fold in here), and for W8A8
-    (`activation_quant`, int8 weights) x is quantized per token first, once for all weights; the GEMM
-    runs in fp32 and its sum plus bias rounds once."""
+    (ops/weight_quant.py: torchao's int8 Linears, which the patterns fold in here), and with
+    `activation_quant` x is quantized first, once for all weights: per token to int8 for W8A8 (int8
+    weights), or to fp8 for the Neuron qkv kernel's ROW and STATIC types (fp8 weights; STATIC by the
+    one fp32 `input_scale`). The GEMM runs in fp32 and its sum plus bias rounds once."""
+    _check_input_scale(activation_quant, input_scale)
     if weight_scales is None:
         if activation_quant != "none":
-            _Fail("qkv_projection")(f"activation_quant={activation_quant!r} needs int8 weights with weight_scales")
+            _Fail("qkv_projection")(f"activation_quant={activation_quant!r} needs quantized weights with weight_scales")
         out = F.linear(x, torch.cat(list(weights)), bias)
     else:
         _check_weight_scales(x, weights, weight_scales, activation_quant)
-        out = torch.cat([linear_fp32(x, w, s, None, activation_quant) for w, s in zip(weights, weight_scales)], dim=-1)
+        out = torch.cat([linear_fp32(x, w, s, None, activation_quant, input_scale)
+                         for w, s in zip(weights, weight_scales)], dim=-1)
         out = (out if bias is None else out + bias.float()).to(x.dtype)
     if d_head == 0:
         return out
@@ -253,19 +258,32 @@ def qkv_projection(
     return (heads.reshape(B, S, -1) if output_layout == "BSD" else heads.permute(2, 0, 1, 3)).contiguous()
 
 
+def _check_input_scale(activation_quant, input_scale) -> None:
+    fail = _Fail("qkv_projection")
+    if (activation_quant == "fp8_static") != (input_scale is not None):
+        fail(f"input_scale is the activations' scale of activation_quant='fp8_static' (and only of it), "
+             f"got activation_quant={activation_quant!r} with input_scale {'given' if input_scale is not None else 'None'}")
+    if input_scale is not None:
+        _check_tensor(fail, "input_scale", input_scale, dtype=torch.float32)
+        if input_scale.numel() != 1:
+            fail(f"input_scale must hold one value, got {list(input_scale.shape)}")
+
+
 def _check_weight_scales(x, weights, weight_scales, activation_quant) -> None:
     fail = _Fail("qkv_projection")
     if len(weight_scales) != len(weights):
         fail(f"weight_scales has {len(weight_scales)} scales for {len(weights)} weights")
     for i, (w, s) in enumerate(zip(weights, weight_scales)):
-        check_quantized_weight(fail, f"weights[{i}]", w, f"weight_scales[{i}]", s, None, activation_quant, x.dtype)
+        check_quantized_weight(fail, f"weights[{i}]", w, f"weight_scales[{i}]", s, None, activation_quant, x.dtype,
+                               schemes=ACTIVATION_QUANT + FP8_ACTIVATION_QUANT)
     if len({w.dtype for w in weights}) != 1:
         fail(f"the weights are quantized alike or not at all, got {[w.dtype for w in weights]}")
 
 
 @qkv_projection.register_fake
 def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout, weight_scales=None,
-      activation_quant="none"):
+      activation_quant="none", input_scale=None):
+    _check_input_scale(activation_quant, input_scale)
     if weight_scales is not None:
         _check_weight_scales(x, weights, weight_scales, activation_quant)
     out_features = sum(w.shape[0] for w in weights)
@@ -274,8 +292,10 @@ def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads,
 
 def _forward(fail, input, weights, output_layout, bias, fused_residual_add, mlp_prev, attention_prev,
              fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, fused_rope, cos_cache, sin_cache,
-             d_head, num_q_heads, num_kv_heads, k_cache, v_cache, k_scale, v_scale, slot_mapping):
-    """Both composite ops, after their checks: `weights` are [N_i, H] rows."""
+             d_head, num_q_heads, num_kv_heads, k_cache, v_cache, k_scale, v_scale, slot_mapping,
+             quantization=(None, "none", None)):
+    """Both composite ops, after their checks: `weights` are [N_i, H] rows; `quantization` is
+    qkv_projection's (weight_scales, activation_quant, input_scale)."""
     x, residual = input, input.new_empty(0)
     if fused_residual_add:
         for prev in (mlp_prev, attention_prev):
@@ -286,7 +306,7 @@ def _forward(fail, input, weights, output_layout, bias, fused_residual_add, mlp_
     with_heads = _has_heads(fused_rope, output_layout, k_cache)
     out = torch.ops.mla.qkv_projection(
         x, weights, _vector(bias), cos_cache if fused_rope else None, sin_cache if fused_rope else None,
-        d_head if with_heads else 0, num_q_heads or 0, num_kv_heads or 0, output_layout,
+        d_head if with_heads else 0, num_q_heads or 0, num_kv_heads or 0, output_layout, *quantization,
     )
     if k_cache is not None:
         if torch._guards.detect_fake_mode(slot_mapping) is None:  # eager: the values exist
@@ -310,19 +330,62 @@ def _output_shape(input, out_features, output_layout, d_head):
 _QKV_FAIL = _Fail("qkv")
 
 
-def _check_qkv(input, fused_qkv_weights, *args):
+def _check_qkv(input, fused_qkv_weights, quantization_type, *args):
     _check_tensor(_QKV_FAIL, "fused_qkv_weights", fused_qkv_weights)
     if fused_qkv_weights.dim() != 2:
         _QKV_FAIL(f"fused_qkv_weights must be [H, I], got {list(fused_qkv_weights.shape)}")
-    if isinstance(input, Tensor) and fused_qkv_weights.dtype != input.dtype:
-        _QKV_FAIL(f"fused_qkv_weights has dtype {fused_qkv_weights.dtype}, expected input's {input.dtype}")
+    if quantization_type not in QUANTIZATION_TYPES:
+        _QKV_FAIL(f"quantization_type must be one of {QUANTIZATION_TYPES}, got {quantization_type!r}")
+    expected = input.dtype if quantization_type == "none" else FP8
+    if isinstance(input, Tensor) and fused_qkv_weights.dtype != expected:
+        what = "input's" if quantization_type == "none" else f"quantization_type={quantization_type!r}:"
+        _QKV_FAIL(f"fused_qkv_weights has dtype {fused_qkv_weights.dtype}, expected {what} {expected}")
     hidden, out_features = fused_qkv_weights.shape
     check_args(_QKV_FAIL, input, out_features, hidden, *args)
+
+
+def _qkv_quantization(quantization_type, out_features, qkv_w_scale, qkv_in_scale, d_head, num_q_heads,
+                      num_kv_heads):
+    """qkv_projection's (weight_scales, activation_quant, input_scale) for Neuron's quantization types:
+    ROW scales each of the I weight columns ([1, I] or [I]) and quantizes each token's activations to
+    fp8 by its own absmax; STATIC scales the q, k and v columns by one number each ([1, 3] or [3]) and
+    quantizes the activations by the one qkv_in_scale ([1, 1], [1] or []). fp8 is float8_e4m3fn
+    (ops/weight_quant.py), whose largest value is 448 (Trainium 1 and 2 clamp at 240)."""
+    if quantization_type == "none":
+        if qkv_w_scale is not None or qkv_in_scale is not None:
+            _QKV_FAIL("qkv_w_scale and qkv_in_scale belong to quantization_type 'row' or 'static'")
+        return None, "none", None
+    if qkv_w_scale is None:
+        _QKV_FAIL(f"quantization_type={quantization_type!r} needs qkv_w_scale")
+    _check_tensor(_QKV_FAIL, "qkv_w_scale", qkv_w_scale, dtype=torch.float32)
+    if quantization_type == "row":
+        if qkv_in_scale is not None:
+            _QKV_FAIL("qkv_in_scale is STATIC quantization's; quantization_type 'row' scales each token itself")
+        if tuple(qkv_w_scale.shape) not in ((out_features,), (1, out_features)):
+            _QKV_FAIL(f"qkv_w_scale must be [1, {out_features}] or [{out_features}] for 'row', "
+                      f"got {list(qkv_w_scale.shape)}")
+        return [qkv_w_scale.reshape(out_features)], "fp8_row", None
+    if tuple(qkv_w_scale.shape) not in ((3,), (1, 3)):
+        _QKV_FAIL(f"qkv_w_scale must be [1, 3] or [3] (q, k, v) for 'static', got {list(qkv_w_scale.shape)}")
+    if qkv_in_scale is None:
+        _QKV_FAIL("quantization_type 'static' needs qkv_in_scale")
+    _check_tensor(_QKV_FAIL, "qkv_in_scale", qkv_in_scale, dtype=torch.float32)
+    if qkv_in_scale.numel() != 1:
+        _QKV_FAIL(f"qkv_in_scale must hold one value ([1, 1]), got {list(qkv_in_scale.shape)}")
+    if not (d_head and num_q_heads and num_kv_heads):
+        _QKV_FAIL("quantization_type 'static' needs d_head, num_q_heads and num_kv_heads (the q, k, v columns)")
+    widths = (num_q_heads * d_head, num_kv_heads * d_head, num_kv_heads * d_head)
+    if sum(widths) != out_features:
+        _QKV_FAIL(f"(num_q_heads + 2 num_kv_heads) * d_head = {sum(widths)} must equal I = {out_features}")
+    w = qkv_w_scale.reshape(3)
+    columns = torch.cat([w[i : i + 1].expand(n) for i, n in enumerate(widths)])
+    return [columns], "fp8_static", qkv_in_scale.reshape(1)
 
 
 _LIB = torch.library.Library("mla", "FRAGMENT")
 _LIB.define(
     "qkv(Tensor input, Tensor fused_qkv_weights, str output_layout=\"BSD\", Tensor? bias=None, "
+    "str quantization_type=\"none\", Tensor? qkv_w_scale=None, Tensor? qkv_in_scale=None, "
     "bool fused_residual_add=False, Tensor? mlp_prev=None, Tensor? attention_prev=None, "
     "str fused_norm_type=\"none\", Tensor? gamma_norm_weights=None, Tensor? layer_norm_bias=None, "
     "float norm_eps=1e-06, bool fused_rope=False, Tensor? cos_cache=None, Tensor? sin_cache=None, "
@@ -339,17 +402,19 @@ _LIB.define(
 
 
 @torch.library.impl(_LIB, "qkv", "CompositeImplicitAutograd")
-def qkv(input, fused_qkv_weights, output_layout="BSD", bias=None, fused_residual_add=False, mlp_prev=None,
-        attention_prev=None, fused_norm_type="none", gamma_norm_weights=None, layer_norm_bias=None, norm_eps=1e-6,
-        fused_rope=False, cos_cache=None, sin_cache=None, d_head=None, num_q_heads=None, num_kv_heads=None,
-        k_cache=None, v_cache=None, k_scale=None, v_scale=None, use_block_kv=False, block_size=None,
-        slot_mapping=None):
+def qkv(input, fused_qkv_weights, output_layout="BSD", bias=None, quantization_type="none", qkv_w_scale=None,
+        qkv_in_scale=None, fused_residual_add=False, mlp_prev=None, attention_prev=None, fused_norm_type="none",
+        gamma_norm_weights=None, layer_norm_bias=None, norm_eps=1e-6, fused_rope=False, cos_cache=None,
+        sin_cache=None, d_head=None, num_q_heads=None, num_kv_heads=None, k_cache=None, v_cache=None, k_scale=None,
+        v_scale=None, use_block_kv=False, block_size=None, slot_mapping=None):
     options = (output_layout, bias, fused_residual_add, mlp_prev, attention_prev, fused_norm_type, gamma_norm_weights,
                layer_norm_bias, norm_eps, fused_rope, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads)
     cache = (k_cache, v_cache, k_scale, v_scale)
-    _check_qkv(input, fused_qkv_weights, *options, *cache, use_block_kv, block_size, slot_mapping)
+    _check_qkv(input, fused_qkv_weights, quantization_type, *options, *cache, use_block_kv, block_size, slot_mapping)
+    quantization = _qkv_quantization(quantization_type, fused_qkv_weights.shape[1], qkv_w_scale, qkv_in_scale,
+                                     d_head, num_q_heads, num_kv_heads)
     # [H, I] -> nn.Linear's [I, H] rows: a view (frozen weights are packed from it at compile time)
-    return _forward(_QKV_FAIL, input, [fused_qkv_weights.t()], *options, *cache, slot_mapping)
+    return _forward(_QKV_FAIL, input, [fused_qkv_weights.t()], *options, *cache, slot_mapping, quantization)
 
 
 def reference_fp64(input, fused_qkv_weights, bias=None, residual=(), norm=("none", None, None, 1e-6), rope=None):

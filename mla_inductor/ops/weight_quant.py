@@ -15,6 +15,11 @@ activation_quant names what happens to the activations first:
   - "int8_torchao": the same with torchao's per-token scheme (Int8DynamicActivationInt8WeightConfig):
     scale absmax / 127.5 rounded to the activations' dtype and at least fp32's epsilon, q = round(x /
     scale) in [-128, 127].
+  - "fp8_row" and "fp8_static": the Neuron qkv kernel's FP8 quantization of the activations (its
+    ROW and STATIC types), with float8_e4m3fn weights: q = e4m3fn(clamp(x * (1 / scale), +-448))
+    (round to nearest even), the scale absmax / 448 per token (at least 1e-12 / 448, so that a zero
+    row quantizes to zeros) or one given `input_scale` for all of them; the GEMM's fp32 sum of the
+    exact products times both scales.
 """
 
 from __future__ import annotations
@@ -27,7 +32,10 @@ from torch import Tensor
 from .checks import check_cpu_tensors
 
 QUANTIZED_WEIGHT_DTYPES = (torch.int8, torch.float8_e4m3fn)
-ACTIVATION_QUANT = ("none", "int8", "int8_torchao")
+ACTIVATION_QUANT = ("none", "int8", "int8_torchao")  # what every projection op takes
+FP8_ACTIVATION_QUANT = ("fp8_row", "fp8_static")  # also mla::qkv_projection (Neuron's qkv kernel)
+FP8_E4M3_MAX = 448.0
+FP8_MIN_ABSMAX = 1e-12
 TORCHAO_INT8_LEVELS = 127.5  # torchao: (qmax - qmin) / 2 for [-128, 127]
 INT8_MAX = 127.0
 INT8_MIN_ABSMAX = 1e-7
@@ -48,10 +56,12 @@ def scale_grid(weight_shape: Sequence[int], block_size: Optional[Sequence[int]])
 
 def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tensor, scale_name: str,
                            scale: Optional[Tensor], block_size: Optional[Sequence[int]],
-                           activation_quant: str, activation_dtype: torch.dtype) -> None:
-    """A weight is either in the activation dtype with no scale, or quantized with one (module doc)."""
-    if activation_quant not in ACTIVATION_QUANT:
-        fail(f"activation_quant must be one of {ACTIVATION_QUANT}, got {activation_quant!r}")
+                           activation_quant: str, activation_dtype: torch.dtype,
+                           schemes: Sequence[str] = ACTIVATION_QUANT) -> None:
+    """A weight is either in the activation dtype with no scale, or quantized with one (module doc);
+    `schemes` are the activation_quant values the op takes."""
+    if activation_quant not in schemes:
+        fail(f"activation_quant must be one of {tuple(schemes)}, got {activation_quant!r}")
     if not is_quantized(weight):
         if scale is not None:
             fail(f"{scale_name} dequantizes an int8 or float8_e4m3fn {name}; {name} is {weight.dtype}")
@@ -66,8 +76,10 @@ def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tenso
     check_cpu_tensors(fail, {scale_name: scale})
     if scale.dtype != torch.float32:
         fail(f"{scale_name} must be float32, got {scale.dtype}")
-    if activation_quant != "none" and weight.dtype != torch.int8:
+    if activation_quant in ACTIVATION_QUANT[1:] and weight.dtype != torch.int8:
         fail(f"activation_quant={activation_quant!r} (W8A8) needs an int8 {name}, got {weight.dtype}")
+    if activation_quant in FP8_ACTIVATION_QUANT and weight.dtype != torch.float8_e4m3fn:
+        fail(f"activation_quant={activation_quant!r} needs a float8_e4m3fn {name}, got {weight.dtype}")
     if activation_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         fail(f"quantized {name} needs bf16, fp16 or fp32 activations, got {activation_dtype}")
     if weight.dim() != 2:
@@ -76,7 +88,7 @@ def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tenso
         if len(block_size) != 2 or any(not isinstance(b, int) or b <= 0 for b in block_size):
             fail(f"weight_block_size must be two positive ints [block_n, block_k], got {list(block_size)}")
         if activation_quant != "none":
-            fail(f"W8A8 (activation_quant={activation_quant!r}) takes per-channel weight scales; "
+            fail(f"activation_quant={activation_quant!r} takes per-channel weight scales; "
                  "weight_block_size must be None")
     rows, cols = scale_grid(weight.shape, block_size)
     per_channel_1d = block_size is None and tuple(scale.shape) == (rows,)
@@ -138,18 +150,32 @@ def quantize_rows_int8_torchao(x: Tensor) -> tuple[Tensor, Tensor]:
     return q.to(torch.int8), scale
 
 
-def quantize_rows(x: Tensor, activation_quant: str) -> tuple[Tensor, Tensor]:
-    """x quantized per token by a W8A8 scheme (module doc): (int8 q, fp32 scale [..., 1])."""
+def quantize_rows_fp8(x: Tensor, input_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The Neuron qkv kernel's FP8 quantization of activations (module doc): (float8_e4m3fn q, fp32
+    scale [..., 1]), per token ("fp8_row") or by the one `input_scale` ("fp8_static")."""
+    xf = x.float()
+    if input_scale is None:
+        scale = xf.abs().amax(-1, keepdim=True).clamp_min(FP8_MIN_ABSMAX) / FP8_E4M3_MAX
+    else:
+        scale = input_scale.float().reshape(1).expand(*x.shape[:-1], 1)
+    q = (xf * (1 / scale)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_rows(x: Tensor, activation_quant: str, input_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """x quantized per token by an activation scheme (module doc): (q, fp32 scale [..., 1])."""
+    if activation_quant in FP8_ACTIVATION_QUANT:
+        return quantize_rows_fp8(x, input_scale if activation_quant == "fp8_static" else None)
     return quantize_rows_int8_torchao(x) if activation_quant == "int8_torchao" else quantize_rows_int8(x)
 
 
 def linear_fp32(x: Tensor, weight: Tensor, scale: Optional[Tensor], block_size: Optional[Sequence[int]],
-                activation_quant: str = "none") -> Tensor:
-    """x @ dequantized(weight).T in fp32, after the per-token quantization of x for W8A8: the
-    projection every quantized anchor computes, before its output's one rounding."""
+                activation_quant: str = "none", input_scale: Optional[Tensor] = None) -> Tensor:
+    """x @ dequantized(weight).T in fp32, after the quantization of x's rows that activation_quant
+    names: the projection every quantized anchor computes, before its output's one rounding."""
     w = dequantize_weight(weight, scale, block_size)
     if activation_quant != "none":
-        q, x_scale = quantize_rows(x, activation_quant)
+        q, x_scale = quantize_rows(x, activation_quant, input_scale)
         return (q.float() @ w.T) * x_scale
     return x.float() @ w.T
 

@@ -277,7 +277,7 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
 // - kTorchao: scale = absmax / 127.5 rounded to T, at least FLT_EPSILON (and rounded to T again),
 //   q = round(x * (1 / scale)) in [-128, 127].
 // Returns the row's scale.
-enum class ActivationQuant { kSglang, kTorchao };
+enum class ActivationQuant { kSglang, kTorchao, kFp8Row, kFp8Static };
 
 template <ActivationQuant scheme, typename T>
 inline float quantize_row_int8(const T* x, int64_t K, float* q) {
@@ -300,6 +300,36 @@ inline float quantize_row_int8(const T* x, int64_t K, float* q) {
     at::vec::clamp(v, low, high).store(q + k, count);
   }
   return scale;
+}
+
+// The Neuron qkv kernel's FP8 quantization of a row (ops/weight_quant.py): q = e4m3fn(clamp(x * (1 /
+// scale), +-448)) kept in fp32 (exactly: every e4m3fn value is an fp32), scale = max(|x|, 1e-12) / 448
+// (kFp8Row) or the given `static_scale` (kFp8Static). Returns the scale.
+template <ActivationQuant scheme, typename T>
+inline float quantize_row_fp8(const T* x, int64_t K, float* q, float static_scale) {
+  constexpr float kMax = 448.f;
+  float scale = static_scale;
+  if constexpr (scheme == ActivationQuant::kFp8Row) {
+    float absmax = 0.f;
+    for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::abs(static_cast<float>(x[k])));
+    scale = std::max(absmax, 1e-12f) / kMax;
+  }
+  const float inverse = 1.f / scale;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = std::clamp(static_cast<float>(x[k]) * inverse, -kMax, kMax);
+    q[k] = static_cast<float>(c10::Float8_e4m3fn(v));
+  }
+  return scale;
+}
+
+// A row quantized by any scheme (static_scale: kFp8Static's).
+template <ActivationQuant scheme, typename T>
+inline float quantize_row(const T* x, int64_t K, float* q, float static_scale) {
+  if constexpr (scheme == ActivationQuant::kFp8Row || scheme == ActivationQuant::kFp8Static) {
+    return quantize_row_fp8<scheme>(x, K, q, static_scale);
+  } else {
+    return quantize_row_int8<scheme>(x, K, q);
+  }
 }
 
 // RMSNorm of one fp32 row into the output dtype, rounding once: y = x * rsqrt(mean(x^2) + eps) * weight.
