@@ -261,8 +261,9 @@ def qkv_projection(
 def _check_input_scale(activation_quant, input_scale) -> None:
     fail = _Fail("qkv_projection")
     if (activation_quant == "fp8_static") != (input_scale is not None):
+        given = "given" if input_scale is not None else "None"
         fail(f"input_scale is the activations' scale of activation_quant='fp8_static' (and only of it), "
-             f"got activation_quant={activation_quant!r} with input_scale {'given' if input_scale is not None else 'None'}")
+             f"got activation_quant={activation_quant!r} with input_scale {given}")
     if input_scale is not None:
         _check_tensor(fail, "input_scale", input_scale, dtype=torch.float32)
         if input_scale.numel() != 1:

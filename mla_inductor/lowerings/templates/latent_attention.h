@@ -741,7 +741,8 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
         for (int n = 0; n < NR; ++n) widen_bf16x16_paired(rows[n] + i, lo[n], hi[n]);
         for (int h = 0; h < MH; ++h) {
           const Vec q_lo = Vec::loadu(q + h * D + col + i), q_hi = Vec::loadu(q + h * D + col + i + W);
-          for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(q_hi, Vec(hi[n]), at::vec::fmadd(q_lo, Vec(lo[n]), acc[h][n]));
+          for (int n = 0; n < NR; ++n)
+            acc[h][n] = at::vec::fmadd(q_hi, Vec(hi[n]), at::vec::fmadd(q_lo, Vec(lo[n]), acc[h][n]));
         }
       }
     }
