@@ -466,21 +466,26 @@ def eager_and_compiled(model, prompt, make_cache, steps):
     return expected, greedy(model, cache, prompt, steps, step_fn=compiled)
 
 
-def test_transformers_static_cache_still_fires_once_shapes_turn_dynamic():
-    """A compiled step that sees a second batch size recompiles with dynamic shapes (automatic dynamic):
-    the StaticCache pattern must fire there too."""
-    config, model, prompt = hf_case("v3", torch.float32, batch=2)
+def test_transformers_v3_static_cache_fp32_tokens_equal_eager_and_fire_again_once_shapes_turn_dynamic():
+    """fp32 greedy tokens equal eager's with every layer fused; then the compiled step sees a second
+    batch size and recompiles with dynamic shapes (automatic dynamic): the StaticCache pattern must fire
+    there too."""
+    config, model, _ = hf_case("v3", torch.float32, batch=2)
     torch._dynamo.reset()
     state = {}
     compiled = torch.compile(
         lambda ids, pos: model(input_ids=ids, past_key_values=state["cache"], position_ids=pos).logits,
         backend="mla_inductor",
     )
-    for batch in (2, 3):
+    for batch, steps in ((2, 16), (3, 2)):
         prompt = torch.randint(0, config.vocab_size, (batch, 12), generator=torch.Generator().manual_seed(batch))
-        _, expected = greedy(model, transformers.StaticCache(config=model.config, max_cache_len=32), prompt, steps=2)
-        state["cache"] = transformers.StaticCache(config=model.config, max_cache_len=32)
-        _, logits = greedy(model, state["cache"], prompt, steps=2, step_fn=compiled)
+        expected_tokens, expected = greedy(model, transformers.StaticCache(config=model.config, max_cache_len=48),
+                                           prompt, steps=steps)
+        state["cache"] = transformers.StaticCache(config=model.config, max_cache_len=48)
+        tokens, logits = greedy(model, state["cache"], prompt, steps=steps, step_fn=compiled)
+        if batch == 2:  # the static graph
+            assert_whole_layer_fused(mla_inductor.fusion_counts(), config.num_layers)
+            assert torch.equal(tokens, expected_tokens)
         torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert mla_inductor.fusion_counts()["mla_decode"] == 2 * config.num_layers  # the static and the dynamic graph
 
@@ -493,9 +498,9 @@ def assert_whole_layer_fused(counts, layers, q_lora=True):
     assert counts["rope"] == 2 * layers, counts  # q_pe and k_pe
 
 
-@pytest.mark.parametrize("rope_interleave", [True, False])
-def test_transformers_v3_static_cache_fp32_greedy_tokens_equal_eager(rope_interleave):
-    config, model, prompt = hf_case("v3", torch.float32, batch=2, hf_overrides={"rope_interleave": rope_interleave})
+def test_transformers_v3_rotate_half_static_cache_fp32_greedy_tokens_equal_eager():
+    """DeepseekV3 with rope_interleave=False (rotate_half); the interleaved default: above."""
+    config, model, prompt = hf_case("v3", torch.float32, batch=2, hf_overrides={"rope_interleave": False})
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=48)  # noqa: E731
     (expected_tokens, expected_logits), (tokens, logits) = eager_and_compiled(model, prompt, make_cache, steps=16)
     assert_whole_layer_fused(mla_inductor.fusion_counts(), config.num_layers)
