@@ -179,7 +179,7 @@ def test_llama_fires_gqa_qkv_over_int8_weights_weight_only_and_w8a8():
         actual, (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"), ids)
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     assert code.count("mi::nt_task_scaled(") == 2 and "const mi::WeightScales scales[S]" in code
-    assert "mi::quantize_row_int8<mi::ActivationQuant::kTorchao>(" in code
+    assert "mi::quantize_row<mi::ActivationQuant::kTorchao>(" in code
     assert "_weight_int8pack_mm" in code and "_int_mm" in code
     torch.testing.assert_close(actual[0], expected[0], atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(actual[1], expected[1], atol=0.15, rtol=0.05)  # W8A8 (see the DeepSeek test)

@@ -88,7 +88,8 @@ def check_quantized_weight(fail: Callable[[str], None], name: str, weight: Tenso
         if len(block_size) != 2 or any(not isinstance(b, int) or b <= 0 for b in block_size):
             fail(f"weight_block_size must be two positive ints [block_n, block_k], got {list(block_size)}")
         if activation_quant != "none":
-            fail(f"activation_quant={activation_quant!r} takes per-channel weight scales; "
+            what = "W8A8" if activation_quant in ACTIVATION_QUANT else "FP8 activations"
+            fail(f"{what} (activation_quant={activation_quant!r}) takes per-channel weight scales; "
                  "weight_block_size must be None")
     rows, cols = scale_grid(weight.shape, block_size)
     per_channel_1d = block_size is None and tuple(scale.shape) == (rows,)
