@@ -15,6 +15,7 @@ import mla_inductor
 from mla_inductor import benchmarking, isa
 from mla_inductor.lowerings.segment_gemm import can_pack, pack_blocks
 from mla_inductor.ops.q_b_absorb import reference_fp64 as q_b_reference
+from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 AVX2_TARGET = {"cpp.march": "haswell", "cpp.simdlen": 256}  # AVX2, FMA, F16C; 8-lane Vectorized<float>
 AVX512_BF16_TARGET = {"cpp.march": "sapphirerapids"}
@@ -50,25 +51,37 @@ def test_gemm_probe_times_the_roof_dtype_quickly():
     assert out.dtype == isa.roof_gemm_dtype(torch.bfloat16) and flops == 2 * 64 * 256 * 512
 
 
+FP8_BLOCK = [8, 32]
+
+
 class Projections(nn.Module):
-    """q_b_absorb on weights that freezing makes constants (packed in the target's layout), and latent
-    decode attention over a paged cache, bf16 and fp8 (the fp8 widening), in one graph: one compile
-    covers the kernels."""
+    """q_b_absorb on weights that freezing makes constants (bf16 packed in the target's layout; W8A8's
+    int8 and fp8 blocks, the integer and the fp8 tiles), and latent decode attention over a paged cache,
+    bf16 and fp8 (the fp8 widening), in one graph: one compile covers the kernels."""
 
     def __init__(self, heads=3, nope=16, rope=8, latent=64, q_lora_rank=99):
         super().__init__()
         g = torch.Generator().manual_seed(0)
-        self.q_b_weight = nn.Parameter(
-            (torch.randn(heads * (nope + rope), q_lora_rank, generator=g) * q_lora_rank**-0.5).bfloat16(),
-            requires_grad=False)
-        self.w_kc = nn.Parameter((torch.randn(heads, nope, latent, generator=g) * nope**-0.5).bfloat16(),
-                                 requires_grad=False)
+        q_b_weight = (torch.randn(heads * (nope + rope), q_lora_rank, generator=g) * q_lora_rank**-0.5).bfloat16()
+        constant = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.q_b_weight = constant(q_b_weight)
+        self.q_b_int8, self.q_b_int8_scale = map(constant, quantize_weight_int8(q_b_weight))
+        self.q_b_fp8, self.q_b_fp8_scale = map(constant, quantize_weight_fp8_blocks(q_b_weight, FP8_BLOCK))
+        self.w_kc = constant((torch.randn(heads, nope, latent, generator=g) * nope**-0.5).bfloat16())
         self.latent = latent
 
     def forward(self, q_a, cos, sin, cache, tables, lens, fp8_cache, fp8_scale):
         q = torch.ops.mla.q_b_absorb(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
+        q_w8a8 = torch.ops.mla.q_b_absorb(q_a, self.q_b_int8, self.w_kc, cos, sin, "interleaved", self.q_b_int8_scale,
+                                          None, "int8")
+        q_fp8 = torch.ops.mla.q_b_absorb(q_a, self.q_b_fp8, self.w_kc, cos, sin, "interleaved", self.q_b_fp8_scale,
+                                         FP8_BLOCK)
         return (q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1),
-                torch.ops.mla.latent_decode_attention(q, fp8_cache, tables, lens, self.latent, 0.1, kv_scale=fp8_scale))
+                torch.ops.mla.latent_decode_attention(q, fp8_cache, tables, lens, self.latent, 0.1, kv_scale=fp8_scale),
+                q_w8a8, q_fp8)
+
+
+QUANTIZED_KERNELS = ("mi::QuantizedRow<mi::ActivationQuant::kSglang>", "mla_inductor::Float8_e4m3fn_finite")
 
 
 def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):
@@ -93,14 +106,16 @@ def compile_frozen(module, inputs, backend="mla_inductor"):
 def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(AVX2_TARGET):
-        (q, out, out_fp8), (code,) = compile_frozen(module, inputs)
+        outputs, (code,) = compile_frozen(module, inputs)
     assert "mi::attend_split" in code and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
+    assert all(kernel in code for kernel in QUANTIZED_KERNELS)
     with torch.no_grad():
-        q_expected, out_expected, fp8_expected = module(*inputs)  # the ops' eager references
+        expected = module(*inputs)  # the ops' eager references
     args = dict(q_a=inputs[0], q_b_weight=module.q_b_weight, w_kc=module.w_kc, cos=inputs[1], sin=inputs[2])
-    torch.testing.assert_close(q.double(), q_b_reference(**args, rope_style="interleaved"), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(out.float(), out_expected.float(), atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(out_fp8.float(), fp8_expected.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(outputs[0].double(), q_b_reference(**args, rope_style="interleaved"), atol=1e-2,
+                               rtol=1e-2)
+    for actual, reference in zip(outputs[1:], expected[1:]):
+        torch.testing.assert_close(actual.float(), reference.float(), atol=1e-2, rtol=1e-2)
 
 
 def compile_only(gm, example_inputs):
@@ -116,3 +131,4 @@ def test_avx512_bf16_kernels_compile_here():
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         _, (code,) = compile_frozen(module, inputs, backend=compile_only)
     assert "mi::attend_split" in code and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
+    assert all(kernel in code for kernel in QUANTIZED_KERNELS)

@@ -109,16 +109,6 @@ def test_template_w_kc_as_a_transposed_view():
     assert_matches_fp64(fn(args["q_a"], args["q_b_weight"], w_kc_sglang, args["cos"], args["sin"]), args, "interleaved")
 
 
-class DirectCall(nn.Module):
-    def __init__(self, args):
-        super().__init__()
-        self.q_b_weight = nn.Parameter(args["q_b_weight"], requires_grad=False)
-        self.w_kc = nn.Parameter(args["w_kc"], requires_grad=False)
-
-    def forward(self, q_a, cos, sin):
-        return op(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
-
-
 # SGLang's W8A8 (q_a quantized per token, per-channel int8 q_b) and fp8 blocks of [8, 16] over
 # q_lora_rank 40 (a partial K block) and 3 heads x (18 + 8) = 78 rows (a partial row block).
 QUANTIZED_CASES = [("int8", "int8", None), ("fp8", "none", [8, 16])]
@@ -173,17 +163,50 @@ def test_quantized_templates_in_one_compile():
             assert_matches_quantized_fp64(out, args)
 
 
+class FrozenWeights(nn.Module):
+    """Weights that freezing makes constants: a bf16 q_b_weight and w_kc (packed at compile time), and
+    two fp8 q_b weights, the second holding a NaN."""
+
+    def __init__(self, args, fp8_args):
+        super().__init__()
+        constant = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.q_b_weight, self.w_kc = constant(args["q_b_weight"]), constant(args["w_kc"])
+        nan_weight = fp8_args["q_b_weight"].clone()
+        nan_weight.view(torch.uint8)[5, 7] = 0x7F  # e4m3fn's NaN
+        self.fp8_finite, self.fp8_nan = constant(fp8_args["q_b_weight"]), constant(nan_weight)
+        self.fp8_scale, self.fp8_w_kc = constant(fp8_args["q_b_weight_scale"]), constant(fp8_args["w_kc"])
+        self.block = fp8_args["weight_block_size"]
+
+    def forward(self, q_a, cos, sin, fp8_q_a, fp8_cos, fp8_sin):
+        return [op(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")] + [
+            op(fp8_q_a, weight, self.fp8_w_kc, fp8_cos, fp8_sin, "interleaved", q_b_weight_scale=self.fp8_scale,
+               weight_block_size=self.block) for weight in (self.fp8_finite, self.fp8_nan)]
+
+
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")
-def test_template_with_q_b_weight_and_w_kc_packed_under_freezing():
-    args = make_args(3, torch.bfloat16, q_lora_rank=99, heads=2, nope=24, rope=8)  # odd K, a partial block
-    model = DirectCall(args).eval()
+def test_template_under_freezing_packs_bf16_and_skips_the_fp8_nan_fix_only_without_a_nan():
+    """Frozen bf16 weights are packed (odd K, a partial block). A frozen e4m3fn weight proven NaN-free
+    widens without the NaN fix; one NaN keeps it, and the NaN reaches the rows it multiplies."""
+    args = make_args(3, torch.bfloat16, q_lora_rank=99, heads=2, nope=24, rope=8)
+    fp8_args = quantized_args(QUANTIZED_CASES[1], 3)
+    model = FrozenWeights(args, fp8_args).eval()
+    inputs = [a[k] for a in (args, fp8_args) for k in ("q_a", "cos", "sin")]
     torch._dynamo.reset()
     with benchmarking.inference_freezing(), torch.no_grad():
-        out, (code,) = run_and_get_code(torch.compile(model), args["q_a"], args["cos"], args["sin"])
-    assert "mi::packed_task" in code and "mi::nt_task" not in code and "mi::absorb_head" not in code
+        (out, fp8_finite, fp8_nan), (code,) = run_and_get_code(torch.compile(model), *inputs)
+        fp8_expected = model(*inputs)[2]
+    (packed,) = [kernel for kernel in code.split("async_compile.cpp") if "mi::packed_task(" in kernel]
+    assert "mi::nt_task(" not in packed and "mi::absorb_head" not in packed, "q_b_weight and w_kc both packed"
     ours = assert_matches_fp64(out, args, "interleaved")
     eager = (op(**args, rope_style="interleaved").double() - reference_fp64(**args, rope_style="interleaved")).abs().max().item()
     assert ours <= 2 * eager + 1e-7, (ours, eager)
+
+    assert code.count("mi::nt_task_scaled(") == 2
+    assert "Float8_e4m3fn_finite*>(" in code and "const at::Float8_e4m3fn*>(" in code
+    assert_matches_quantized_fp64(fp8_finite, fp8_args)
+    # q_b row 5 is in head 0's nope part: it reaches head 0's absorbed latent columns, not its rope
+    assert fp8_nan[:, 0, :40].isnan().all() and fp8_nan[:, 0, 40:].isfinite().all() and fp8_nan[:, 1:].isfinite().all()
+    torch.testing.assert_close(fp8_nan, fp8_expected, atol=1e-2, rtol=1e-2, equal_nan=True)
 
 
 # --- the pattern -----------------------------------------------------------------------------------

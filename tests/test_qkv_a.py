@@ -287,7 +287,7 @@ def test_quantized_templates_in_one_compile():
             outputs, (code,) = run_and_get_code(compiled, *flat)
             assert code.count("mi::nt_task_scaled(") == 2 * len(QUANTIZED_CASES), "two calls per template"
             for scheme in ("kSglang", "kTorchao"):  # W8A8 quantizes x in the template
-                assert f"mi::quantize_row_int8<mi::ActivationQuant::{scheme}>(" in code
+                assert f"mi::quantize_row<mi::ActivationQuant::{scheme}>(" in code
             assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
         else:
             outputs = compiled(*flat)

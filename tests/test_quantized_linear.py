@@ -156,7 +156,7 @@ def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(de
     counts = mla_inductor.fusion_counts()
     assert counts["qkv_a_proj"] == counts["q_b_absorb"] == counts["mla_decode"] == config.num_layers, counts
     code = "\n".join(codes)
-    assert "mi::nt_task_scaled(" in code and "const int8_t* wqb" in code  # q_b_absorb on the int8 q_b_proj
+    assert "mi::nt_task_scaled(" in code and "wqb = reinterpret_cast<const int8_t*>(" in code  # q_b_absorb on the int8 q_b_proj
     assert "_weight_int8pack_mm" in code
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)

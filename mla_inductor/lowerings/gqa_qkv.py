@@ -3,6 +3,8 @@ segmented GEMM template of the projection ops, with bias and RoPE as its epilogu
 
 from __future__ import annotations
 
+from typing import Optional
+
 import sympy
 import torch
 from torch._inductor import ir
@@ -10,7 +12,7 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, guard_ints, realize_input
-from .segment_gemm import packed_weights, quantized_options, quantized_weights
+from .segment_gemm import packed_weights, quantized_options, quantized_weights, scales_fit_tiles
 
 OP = torch.ops.mla.qkv_projection.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -20,20 +22,19 @@ class QkvProjectionTemplate(FusedOpTemplate):
     template_file = "gqa_qkv.cpp.j2"
 
     def __init__(self, inputs: dict, segments: list, scales: list, layout: ir.Layout, segment_rows: list[int],
-                 d_head: int, rotated_heads: int, output_layout: str, activation_quant: str) -> None:
+                 d_head: int, rotated_heads: int, output_layout: str, quantized: Optional[dict]) -> None:
         named = {**{f"W{i}": w for i, w in enumerate(segments)}, **{f"WS{i}": s for i, s in enumerate(scales)}}
         super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
         self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
-        self.activation_quant = activation_quant
+        self.quantized = quantized  # segment_gemm.quantized_weights
 
     def _quantized_options(self, kernel) -> dict:
         """quantize_x (the W8A8 scheme, or None) and weight_scales: per weight (scale input, nt_dot.h's
         WeightScales)."""
         if not self.scales:
             return dict(quantize_x=None, weight_scales=[])
-        quantized = quantized_weights(self.scales, None, self.activation_quant)
-        options = quantized_options(kernel, quantized, **{f"w{i}": w for i, w in enumerate(self.segments)})
+        options = quantized_options(kernel, self.quantized, **{f"w{i}": w for i, w in enumerate(self.segments)})
         scales = [options[f"w{i}_scales"] for i in range(len(self.segments))]
         return dict(quantize_x=options["quantize_x"], weight_scales=list(zip(self.scales, scales)))
 
@@ -68,7 +69,9 @@ def _template_can_serve(x, weights, cos, weight_scales) -> bool:
         return False
     if cos is not None and cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
-    return all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size())
+    if not all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size()):
+        return False
+    return all(scales_fit_tiles(w, None) for w in weights)
 
 
 @L.register_lowering(OP, type_promotion_kind=None)
@@ -88,6 +91,7 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
     packed = packed_weights(x.get_dtype(), *weights) if weight_scales is None else None
     segments = [] if packed is not None else [realize_input(w) for w in weights]
     scales = [realize_input(s, contiguous=True) for s in weight_scales or ()]
+    quantized = quantized_weights(weight_scales, None, activation_quant, *weights)
     as_rows = lambda t: None if t is None else L.view(realize_input(t, contiguous=True), [rows, d_head])  # noqa: E731
     inputs = {
         "X": realize_input(x2d),
@@ -102,4 +106,4 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
     return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
-                                 output_layout, activation_quant).select()
+                                 output_layout, quantized).select()

@@ -67,7 +67,7 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style, q_b_weight_sca
     ):
         return L.fallback_handler(OP, add_to_fallback_set=False)(q_a, q_b_weight, w_kc, cos, sin, rope_style,
                                                                  q_b_weight_scale, weight_block_size, activation_quant)
-    quantized = quantized_weights(q_b_weight_scale, weight_block_size, activation_quant)
+    quantized = quantized_weights(q_b_weight_scale, weight_block_size, activation_quant, q_b_weight)
     # a quantized q_b weight streams as it is, and then W_kc stays unpacked too
     frozen = None if quantized else frozen_values(q_a.get_dtype(), q_b_weight, w_kc)
     packed = packed_w_kc = None

@@ -80,7 +80,7 @@ def lower_qkv_a_proj(x, q_weight, kv_weight, q_norm_weight, kv_norm_weight, q_ep
 
     x = realize_input(x, contiguous=len(x.get_size()) == 3)  # 3-D rows are flattened: they must be dense
     nq, nkv = (int(w.get_size()[0]) for w in (q_weight, kv_weight))
-    quantized = quantized_weights(q_weight_scale, weight_block_size, activation_quant)
+    quantized = quantized_weights(q_weight_scale, weight_block_size, activation_quant, q_weight, kv_weight)
     packed = None if quantized else packed_weights(x.get_dtype(), q_weight, kv_weight)
     inputs = {
         "X": x,

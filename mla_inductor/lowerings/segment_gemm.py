@@ -33,11 +33,15 @@ MAX_ROWS_UNFROZEN = 64
 # block must hold whole vectors (16 fp32 lanes on AVX-512, 8 on AVX2).
 TILE_COLS = 4
 WIDEST_VECTOR = 16
+# nt_dot.h's integer tiles (W8A8) sum a weight row in int32 lanes that gain up to 2^15 per 16 columns.
+MAX_INT8_K = 2**20
 
 
 def scales_fit_tiles(weight, weight_block_size) -> bool:
     """Whether nt_dot.h's quantized tiles serve a weight's scale blocks (ops/weight_quant.py); a weight
     in the activation dtype always fits."""
+    if weight.get_dtype() == torch.int8 and int(weight.get_size()[1]) >= MAX_INT8_K:
+        return False
     if weight.get_dtype() not in QUANTIZED_WEIGHT_DTYPES or weight_block_size is None:
         return True
     block_n, block_k = weight_block_size
@@ -46,12 +50,20 @@ def scales_fit_tiles(weight, weight_block_size) -> bool:
     return block_n % TILE_COLS == 0 and block_k % WIDEST_VECTOR == 0
 
 
-def quantized_weights(scale, weight_block_size, activation_quant) -> Optional[dict]:
-    """How a template reads its int8 / fp8 weights (a weight with a scale streams as it is, one byte
-    an element, never packed), or None for weights in the activation dtype."""
+def quantized_weights(scale, weight_block_size, activation_quant, *weights) -> Optional[dict]:
+    """How a template reads its int8 / fp8 `weights` (a weight with a scale streams as it is, one byte
+    an element, never packed), or None for weights in the activation dtype. `finite_e4m3fn`: they are
+    frozen e4m3fn weights of which none holds a NaN, which widen.h's Float8_e4m3fn_finite widens
+    without the NaN fix."""
     if scale is None:
         return None
-    return dict(weight_block_size=weight_block_size, activation_quant=activation_quant)
+
+    def finite_e4m3fn(weight) -> bool:
+        value = frozen_value(weight) if weight.get_dtype() == torch.float8_e4m3fn else None
+        return value is not None and not ((value.view(torch.uint8) & 0x7F) == 0x7F).any()
+
+    return dict(weight_block_size=weight_block_size, activation_quant=activation_quant,
+                finite_e4m3fn=all(map(finite_e4m3fn, weights)))
 
 
 def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
@@ -69,7 +81,9 @@ def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
         if quantized is not None:
             k = int(weight.get_size()[1])
             block_n, block_k = quantized["weight_block_size"] or (1, k)
-            options[f"{name}_scales"] = dict(dtype=kernel.dtype(weight), block_n=block_n, block_k=min(block_k, k),
+            # the C++ type the template casts the weight pointers to
+            dtype = "mla_inductor::Float8_e4m3fn_finite" if quantized["finite_e4m3fn"] else kernel.dtype(weight)
+            options[f"{name}_scales"] = dict(dtype=dtype, block_n=block_n, block_k=min(block_k, k),
                                              ld=-(-k // block_k))
     return options
 

@@ -167,6 +167,114 @@ inline void dot_panel_fma(const TX* x, int64_t ldx, int mr, const TW* w, int64_t
   }
 }
 
+// W8A8 in integers (AVX2 and AVX-512): x's rows quantized per token to int8 values held as int16
+// (quantize_row_int8), the int8 weights sign-extended to int16 in registers, and vpmaddwd multiplying
+// lane pairs and adding each pair into an int32 lane, exactly: against widening each weight to fp32
+// for an FMA (sign-extend, cvtdq2ps, FMA per 8 weights), that is one sign-extend, one madd and one add
+// per 16 weights, half the work per weight byte, which is what held the one-row GEMV below the memory
+// bandwidth on an AVX2 EPYC. A lane gains at most 2 * 128 * 128 = 2^15 a step, so its int32 holds
+// K < 2^20 (segment_gemm.MAX_INT8_K: the lowerings decline larger K).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kIntegerDot = true;
+using IntVec = __m512i;
+constexpr int64_t kInt16Lanes = 32;
+__attribute__((always_inline)) inline IntVec load_int16s(const int16_t* p) { return _mm512_loadu_si512(p); }
+__attribute__((always_inline)) inline IntVec widen_int8s(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+__attribute__((always_inline)) inline IntVec madd_int16s(IntVec acc, IntVec x, IntVec w) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, x, w);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(x, w));
+#endif
+}
+inline int32_t reduce_add_int32s(IntVec v) { return _mm512_reduce_add_epi32(v); }
+#elif defined(CPU_CAPABILITY_AVX2)
+constexpr bool kIntegerDot = true;
+using IntVec = __m256i;
+constexpr int64_t kInt16Lanes = 16;
+__attribute__((always_inline)) inline IntVec load_int16s(const int16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+__attribute__((always_inline)) inline IntVec widen_int8s(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+__attribute__((always_inline)) inline IntVec madd_int16s(IntVec acc, IntVec x, IntVec w) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(x, w));
+}
+inline int32_t reduce_add_int32s(IntVec v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+#else
+constexpr bool kIntegerDot = false;
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// out = float(x[:MR] . w[:NR]^T) over the whole of K, summed in int32.
+template <int MR, int NR>
+inline void dot_tile_int16(const int16_t* x, int64_t ldx, const int8_t* w, int64_t ldw, int64_t K, float* out,
+                           int64_t ldo) {
+  constexpr int64_t V = kInt16Lanes;
+  IntVec acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = IntVec{};
+  int64_t k = 0;
+  for (; k + V <= K; k += V) {
+    IntVec xv[MR];
+    for (int m = 0; m < MR; ++m) xv[m] = load_int16s(x + m * ldx + k);
+    for (int n = 0; n < NR; ++n) {
+      if constexpr (MR <= kStreamRows) {
+        if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + n * ldw + k) + kStreamPrefetchBytes, _MM_HINT_T1);
+      }
+      const IntVec wv = widen_int8s(w + n * ldw + k);
+      for (int m = 0; m < MR; ++m) acc[m][n] = madd_int16s(acc[m][n], xv[m], wv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      int32_t sum = reduce_add_int32s(acc[m][n]);
+      for (int64_t j = k; j < K; ++j) sum += int32_t(x[m * ldx + j]) * int32_t(w[n * ldw + j]);  // K's last, partial vector
+      out[m * ldo + n] = static_cast<float>(sum);
+    }
+}
+
+// A panel's 4 weight rows in passes of kIntTileCols: with AVX2's 16 registers a 4 x 4 tile's
+// accumulators spill (each madd then loads and stores one), and 4 x 2 fit. On a Zen 1 EPYC, 2 columns
+// against 4 measured 20% faster at eight rows and the same at one (1 column: 30% slower at one row).
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int kIntTileCols = 4;
+#else
+constexpr int kIntTileCols = 2;
+#endif
+
+template <int NR>
+inline void dot_panel_int16(const int16_t* x, int64_t ldx, int mr, const int8_t* w, int64_t ldw, int64_t K, float* out,
+                            int64_t ldo) {
+  if constexpr (NR > kIntTileCols) {
+    dot_panel_int16<kIntTileCols>(x, ldx, mr, w, ldw, K, out, ldo);
+    dot_panel_int16<NR - kIntTileCols>(x, ldx, mr, w + kIntTileCols * ldw, ldw, K, out + kIntTileCols, ldo);
+  } else {
+    for (int m0 = 0; m0 < mr; m0 += kTileRows) {
+      const int16_t* xb = x + m0 * ldx;
+      float* ob = out + m0 * ldo;
+      switch (std::min(kTileRows, mr - m0)) {
+        case 4: dot_tile_int16<4, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+        case 3: dot_tile_int16<3, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+        case 2: dot_tile_int16<2, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
+        default: dot_tile_int16<1, NR>(xb, ldx, w, ldw, K, ob, ldo);
+      }
+    }
+  }
+}
+#endif
+
+// What W8A8's quantized rows are held in: int16 for the integer tiles, else fp32 (exact integers,
+// which the fp32 tiles multiply by the int8 weights exactly).
+using QuantizedInt8 = std::conditional_t<kIntegerDot, int16_t, float>;
+
 template <typename T, int NR>
 inline void dot_panel_nr(const T* x, int64_t ldx, int mr, const T* w, int64_t ldw, int64_t K, float* out, int64_t ldo) {
 #if defined(__AVX512BF16__)
@@ -234,6 +342,17 @@ template <typename TX, typename TW, bool K_BLOCKED>
 inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int nr, int64_t K,
                              const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
   static_assert(sizeof(TW) == 1, "quantized weights are int8 or fp8");
+  if constexpr (std::is_same_v<TX, int16_t>) {
+    static_assert(std::is_same_v<TW, int8_t> && !K_BLOCKED, "integer tiles are W8A8's: per-channel int8 weights");
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    switch (nr) {
+      case 4: return dot_panel_int16<4>(x, ldx, mr, w, ldw, K, out, ldo);
+      case 3: return dot_panel_int16<3>(x, ldx, mr, w, ldw, K, out, ldo);
+      case 2: return dot_panel_int16<2>(x, ldx, mr, w, ldw, K, out, ldo);
+      default: return dot_panel_int16<1>(x, ldx, mr, w, ldw, K, out, ldo);
+    }
+#endif
+  }
   switch (nr) {
     case 4: return dot_panel_fma<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
     case 3: return dot_panel_fma<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
@@ -243,8 +362,8 @@ inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int6
 }
 
 // nt_task over a quantized weight: the same tasks (nt_tasks), each tile's sums scaled into out. x is
-// the activations, or for W8A8 their per-token int8 values held exactly in fp32 (quantize_row_int8),
-// whose scales `row_scales` then multiply each output row.
+// the activations, or their per-token quantized values (quantize_row: int8 values in QuantizedInt8,
+// FP8 values in fp32), whose scales `row_scales` then multiply each output row.
 template <typename TX, typename TW>
 inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* row_scales, int64_t M, const TW* w,
                            int64_t ldw, int64_t N, int64_t K, const WeightScales& scales, float* out, int64_t ldo) {
@@ -252,11 +371,16 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
   const TX* xt = x + m0 * ldx;
   const TW* wt = w + n0 * ldw;
   float* ot = out + m0 * ldo + n0;
-  const bool k_blocked = scales.block_k < K;
-  if (k_blocked) {
-    const float* k_scales = scales.scale + n0 / scales.block_n * scales.ld;
-    dot_panel_scaled<TX, TW, true>(xt, ldx, mr, wt, ldw, nr, K, k_scales, scales.block_k, ot, ldo);
-  } else {
+  // W8A8's int16 rows come with per-channel weight scales only (ops/weight_quant.py)
+  constexpr bool kPerChannelOnly = std::is_same_v<TX, int16_t>;
+  const bool k_blocked = !kPerChannelOnly && scales.block_k < K;
+  if constexpr (!kPerChannelOnly) {
+    if (k_blocked) {
+      const float* k_scales = scales.scale + n0 / scales.block_n * scales.ld;
+      dot_panel_scaled<TX, TW, true>(xt, ldx, mr, wt, ldw, nr, K, k_scales, scales.block_k, ot, ldo);
+    }
+  }
+  if (!k_blocked) {
     dot_panel_scaled<TX, TW, false>(xt, ldx, mr, wt, ldw, nr, K, nullptr, K, ot, ldo);
   }
   for (int m = 0; m < mr; ++m) {
@@ -268,11 +392,11 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
   }
 }
 
-// Per-token symmetric int8 quantization of a row (W8A8), q kept as integers in fp32, which the
-// quantized tiles multiply by the int8 weights exactly. Each fp32 lane sums K / lanes products of at
-// most 128 x 127, exactly while there are at most 1032 of them (K <= 8256 on AVX2, 16512 on AVX-512):
-// then only the reduction across lanes rounds, as the fp32 epilogue of an int32 GEMM does. The
-// schemes (ops/weight_quant.py), each rounding half to even:
+// Per-token symmetric int8 quantization of a row (W8A8), q kept as integers in QuantizedInt8: int16
+// for the integer tiles; fp32 elsewhere, which the fp32 tiles multiply by the int8 weights exactly,
+// each lane summing K / lanes products of at most 128 x 128, exactly while there are at most 1024 of
+// them (K <= 8192 without AVX2): then only the reduction across lanes rounds, as the fp32 epilogue of
+// an int32 GEMM does. The schemes (ops/weight_quant.py), each rounding half to even:
 // - kSglang: q = round(x * (127 / absmax)) with absmax = max(|x|, 1e-7); scale absmax / 127;
 // - kTorchao: scale = absmax / 127.5 rounded to T, at least FLT_EPSILON (and rounded to T again),
 //   q = round(x * (1 / scale)) in [-128, 127].
@@ -280,7 +404,7 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
 enum class ActivationQuant { kSglang, kTorchao, kFp8Row, kFp8Static };
 
 template <ActivationQuant scheme, typename T>
-inline float quantize_row_int8(const T* x, int64_t K, float* q) {
+inline float quantize_row_int8(const T* x, int64_t K, QuantizedInt8* q) {
   using Vec = at::vec::Vectorized<float>;
   float absmax = 0.f;
   for (int64_t k = 0; k < K; ++k) absmax = std::max(absmax, std::abs(static_cast<float>(x[k])));
@@ -296,8 +420,14 @@ inline float quantize_row_int8(const T* x, int64_t K, float* q) {
   const Vec multiplier(inverse), low(lowest), high(127.f);
   for (int64_t k = 0; k < K; k += Vec::size()) {
     const int64_t count = std::min<int64_t>(Vec::size(), K - k);
-    const Vec v = (load_floats(x + k, count) * multiplier).round();
-    at::vec::clamp(v, low, high).store(q + k, count);
+    const Vec v = at::vec::clamp((load_floats(x + k, count) * multiplier).round(), low, high);
+    if constexpr (std::is_same_v<QuantizedInt8, float>) {
+      v.store(q + k, count);
+    } else {
+      alignas(64) float values[Vec::size()];
+      v.store(values);
+      for (int64_t i = 0; i < count; ++i) q[k + i] = static_cast<QuantizedInt8>(values[i]);
+    }
   }
   return scale;
 }
@@ -322,10 +452,18 @@ inline float quantize_row_fp8(const T* x, int64_t K, float* q, float static_scal
   return scale;
 }
 
+constexpr bool is_fp8_scheme(ActivationQuant scheme) {
+  return scheme == ActivationQuant::kFp8Row || scheme == ActivationQuant::kFp8Static;
+}
+
+// What a row quantized by `scheme` is held in: FP8 values in fp32, int8 values in QuantizedInt8.
+template <ActivationQuant scheme>
+using QuantizedRow = std::conditional_t<is_fp8_scheme(scheme), float, QuantizedInt8>;
+
 // A row quantized by any scheme (static_scale: kFp8Static's).
 template <ActivationQuant scheme, typename T>
-inline float quantize_row(const T* x, int64_t K, float* q, float static_scale) {
-  if constexpr (scheme == ActivationQuant::kFp8Row || scheme == ActivationQuant::kFp8Static) {
+inline float quantize_row(const T* x, int64_t K, QuantizedRow<scheme>* q, float static_scale) {
+  if constexpr (is_fp8_scheme(scheme)) {
     return quantize_row_fp8<scheme>(x, K, q, static_scale);
   } else {
     return quantize_row_int8<scheme>(x, K, q);

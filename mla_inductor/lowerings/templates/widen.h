@@ -29,14 +29,25 @@ __attribute__((always_inline)) inline __m256 widen_bf16x8(const c10::BFloat16* p
 // FP8 caches are read through fp16 and F16C, which every AVX2 CPU has (no x86 CPU before AVX10.2
 // converts fp8): an fp8 value's bits, placed in an fp16's, give the fp16 of the same value (e5m2) or of
 // the value times 2^-8 (e4m3fn). Both convert subnormals, infinities and NaN exactly.
+//
+// Float8_e4m3fn_finite is e4m3fn's bytes where the lowering has proved there is no NaN (a frozen weight,
+// lowerings/segment_gemm.py): they widen without the NaN fix below.
+struct Float8_e4m3fn_finite {
+  uint8_t bits;
+  operator float() const { return static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits())); }
+};
+
 template <typename T>
-constexpr bool is_fp8 = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, c10::Float8_e5m2>;
+constexpr bool is_e4m3fn = std::is_same_v<T, c10::Float8_e4m3fn> || std::is_same_v<T, Float8_e4m3fn_finite>;
+
+template <typename T>
+constexpr bool is_fp8 = is_e4m3fn<T> || std::is_same_v<T, c10::Float8_e5m2>;
 
 // load_floats<T> returns T's values times kWidenedScale<T>: 1, except e4m3fn's 2^-8, which its callers
 // fold into a scale they apply anyway (the scores' scale, the output's normalisation) rather than pay
 // a multiply per vector (12% of an fp8 grouped-query decode step on a Zen 1 EPYC).
 template <typename T>
-constexpr float kWidenedScale = std::is_same_v<T, c10::Float8_e4m3fn> ? 1.f / 256 : 1.f;
+constexpr float kWidenedScale = is_e4m3fn<T> ? 1.f / 256 : 1.f;
 
 #if defined(__AVX2__)
 // e5m2 is the high byte of an fp16. e4m3fn's exponent and mantissa fields move to fp16's places: the
@@ -53,6 +64,7 @@ __attribute__((always_inline)) inline V fp8_as_fp16(V high) {
     return high;
   } else {
     const V half = (high >> 1) & int16_t(0xbfff);
+    if constexpr (std::is_same_v<T, Float8_e4m3fn_finite>) return half;
     return half | ((half & 0x3f80) == 0x3f80);
   }
 }
