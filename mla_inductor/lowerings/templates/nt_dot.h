@@ -1,4 +1,5 @@
-// NT dot-product tiles: out[m * ldo + n] = sum_k x[m * ldx + k] * w[n * ldw + k], accumulated in fp32.
+// NT dot-product tiles: out[m * ldo + n] = sum_k x[m * ldx + k] * w[n * ldw + k], accumulated in fp32
+// (W8A8: in int32).
 //
 // Both operands are read along k, so the weight is consumed in nn.Linear's own [N, K] layout: every
 // weight row is one sequential stream and nothing needs packing, with or without freezing. At decode
