@@ -69,10 +69,11 @@ def quantized_weights(scale, weight_block_size, activation_quant, *weights) -> O
 def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
     """The Jinja options of quantized weights: `<name>_scales` per weight, what nt_dot.h's WeightScales
     is built from (the C++ type and the scale blocks; per channel, blocks of 1 x K), or None; and
-    `quantize_x` for W8A8 and FP8 activations."""
-    # the W8A8 scheme that quantizes x's rows (nt_dot.h's ActivationQuant), or None
-    scheme = quantized["activation_quant"] if quantized is not None else "none"
-    options = {"quantize_x": {"none": None, "int8": "mi::ActivationQuant::kSglang",
+    `quantize_x`, how the template makes x's rows ready for the quantized tiles, once (nt_dot.h's
+    quantize_row: W8A8 and FP8 activations quantize them, weight-only widens them), or None."""
+    scheme = quantized["activation_quant"] if quantized is not None else None
+    options = {"quantize_x": {None: None, "none": "mi::ActivationQuant::kNone",
+                              "int8": "mi::ActivationQuant::kSglang",
                               "int8_torchao": "mi::ActivationQuant::kTorchao",
                               "fp8_row": "mi::ActivationQuant::kFp8Row",
                               "fp8_static": "mi::ActivationQuant::kFp8Static"}[scheme]}
