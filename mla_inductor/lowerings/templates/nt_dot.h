@@ -159,34 +159,6 @@ inline void dot_tile_fma(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int
       out[m * ldo + n] = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[m][n]);
 }
 
-// Portable panel: row blocks one after the other (the fp32 path is compute-bound well before the
-// weight stream matters).
-template <typename TX, typename TW, int NR, bool K_BLOCKED>
-inline void dot_panel_fma(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int64_t K, const float* k_scales,
-                          int64_t block_k, float* out, int64_t ldo) {
-  // Compute-bound panels of fp32 x rows pass over the weight rows kFmaTileCols at a time, so that the
-  // accumulators stay in registers (as dot_panel_int16; x rows of another type would be widened again
-  // for every pass, which costs what the spills do).
-  if constexpr (std::is_same_v<TX, float> && NR > kFmaTileCols) {
-    if (mr > kStreamRows) {
-      dot_panel_fma<TX, TW, kFmaTileCols, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-      dot_panel_fma<TX, TW, NR - kFmaTileCols, K_BLOCKED>(x, ldx, mr, w + kFmaTileCols * ldw, ldw, K, k_scales,
-                                                          block_k, out + kFmaTileCols, ldo);
-      return;
-    }
-  }
-  for (int m0 = 0; m0 < mr; m0 += kTileRows) {
-    const TX* xb = x + m0 * ldx;
-    float* ob = out + m0 * ldo;
-    switch (std::min(kTileRows, mr - m0)) {
-      case 4: dot_tile_fma<TX, TW, 4, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      case 3: dot_tile_fma<TX, TW, 3, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      case 2: dot_tile_fma<TX, TW, 2, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo); break;
-      default: dot_tile_fma<TX, TW, 1, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo);
-    }
-  }
-}
-
 // W8A8 in integers (AVX2 and AVX-512): x's rows quantized per token to int8 values held as int16
 // (quantize_row_int8), the int8 weights sign-extended to int16 in registers, and vpmaddwd multiplying
 // lane pairs and adding each pair into an int32 lane, exactly: against widening each weight to fp32
@@ -261,29 +233,47 @@ inline void dot_tile_int16(const int16_t* x, int64_t ldx, const int8_t* w, int64
     }
 }
 
-// A panel's 4 weight rows in passes of kFmaTileCols: with AVX2's 16 registers a 4 x 4 tile's
-// accumulators spill (each madd then loads and stores one), and 4 x 2 fit. On a Zen 1 EPYC, 2 columns
-// against 4 measured 20% faster at eight rows and the same at one (1 column: 30% slower at one row).
-template <int NR>
-inline void dot_panel_int16(const int16_t* x, int64_t ldx, int mr, const int8_t* w, int64_t ldw, int64_t K, float* out,
-                            int64_t ldo) {
-  if constexpr (NR > kFmaTileCols) {
-    dot_panel_int16<kFmaTileCols>(x, ldx, mr, w, ldw, K, out, ldo);
-    dot_panel_int16<NR - kFmaTileCols>(x, ldx, mr, w + kFmaTileCols * ldw, ldw, K, out + kFmaTileCols, ldo);
-  } else {
-    for (int m0 = 0; m0 < mr; m0 += kTileRows) {
-      const int16_t* xb = x + m0 * ldx;
-      float* ob = out + m0 * ldo;
-      switch (std::min(kTileRows, mr - m0)) {
-        case 4: dot_tile_int16<4, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-        case 3: dot_tile_int16<3, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-        case 2: dot_tile_int16<2, NR>(xb, ldx, w, ldw, K, ob, ldo); break;
-        default: dot_tile_int16<1, NR>(xb, ldx, w, ldw, K, ob, ldo);
-      }
+#endif
+
+// Portable panel: row blocks one after the other (the fp32 path is compute-bound well before the
+// weight stream matters), each a tile of dot_tile_fma, or of dot_tile_int16 for W8A8's int16 rows.
+//
+// With more than kStreamRows rows (compute-bound), rows read as they are held (fp32, or int16) pass
+// over the weight rows kFmaTileCols at a time, so that the accumulators stay in registers. Rows of
+// another type would be widened again for every pass, which costs what the spills do.
+template <typename TX, typename TW, int NR, bool K_BLOCKED>
+inline void dot_panel_tiles(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int64_t K,
+                            const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
+  constexpr bool kIntegerRows = std::is_same_v<TX, int16_t>;
+  if constexpr ((std::is_same_v<TX, float> || kIntegerRows) && NR > kFmaTileCols) {
+    if (mr > kStreamRows) {
+      dot_panel_tiles<TX, TW, kFmaTileCols, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+      dot_panel_tiles<TX, TW, NR - kFmaTileCols, K_BLOCKED>(x, ldx, mr, w + kFmaTileCols * ldw, ldw, K, k_scales,
+                                                            block_k, out + kFmaTileCols, ldo);
+      return;
+    }
+  }
+  auto tile = [&]<int MR>(const TX* xb, float* ob) {
+    if constexpr (kIntegerRows) {
+      static_assert(std::is_same_v<TW, int8_t> && !K_BLOCKED, "integer tiles are W8A8's: per-channel int8 weights");
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+      dot_tile_int16<MR, NR>(xb, ldx, w, ldw, K, ob, ldo);
+#endif
+    } else {
+      dot_tile_fma<TX, TW, MR, NR, K_BLOCKED>(xb, ldx, w, ldw, K, k_scales, block_k, ob, ldo);
+    }
+  };
+  for (int m0 = 0; m0 < mr; m0 += kTileRows) {
+    const TX* xb = x + m0 * ldx;
+    float* ob = out + m0 * ldo;
+    switch (std::min(kTileRows, mr - m0)) {
+      case 4: tile.template operator()<4>(xb, ob); break;
+      case 3: tile.template operator()<3>(xb, ob); break;
+      case 2: tile.template operator()<2>(xb, ob); break;
+      default: tile.template operator()<1>(xb, ob);
     }
   }
 }
-#endif
 
 // What W8A8's quantized rows are held in: int16 for the integer tiles, else fp32 (exact integers,
 // which the fp32 tiles multiply by the int8 weights exactly).
@@ -297,7 +287,7 @@ inline void dot_panel_nr(const T* x, int64_t ldx, int mr, const T* w, int64_t ld
     return;
   }
 #endif
-  dot_panel_fma<T, T, NR, false>(x, ldx, mr, w, ldw, K, nullptr, K, out, ldo);
+  dot_panel_tiles<T, T, NR, false>(x, ldx, mr, w, ldw, K, nullptr, K, out, ldo);
 }
 
 // out[m, n] for mr (<= 8) x rows against nr (<= 4) w rows, over the whole of k.
@@ -356,22 +346,11 @@ template <typename TX, typename TW, bool K_BLOCKED>
 inline void dot_panel_scaled(const TX* x, int64_t ldx, int mr, const TW* w, int64_t ldw, int nr, int64_t K,
                              const float* k_scales, int64_t block_k, float* out, int64_t ldo) {
   static_assert(sizeof(TW) == 1, "quantized weights are int8 or fp8");
-  if constexpr (std::is_same_v<TX, int16_t>) {
-    static_assert(std::is_same_v<TW, int8_t> && !K_BLOCKED, "integer tiles are W8A8's: per-channel int8 weights");
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-    switch (nr) {
-      case 4: return dot_panel_int16<4>(x, ldx, mr, w, ldw, K, out, ldo);
-      case 3: return dot_panel_int16<3>(x, ldx, mr, w, ldw, K, out, ldo);
-      case 2: return dot_panel_int16<2>(x, ldx, mr, w, ldw, K, out, ldo);
-      default: return dot_panel_int16<1>(x, ldx, mr, w, ldw, K, out, ldo);
-    }
-#endif
-  }
   switch (nr) {
-    case 4: return dot_panel_fma<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    case 3: return dot_panel_fma<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    case 2: return dot_panel_fma<TX, TW, 2, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
-    default: return dot_panel_fma<TX, TW, 1, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 4: return dot_panel_tiles<TX, TW, 4, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 3: return dot_panel_tiles<TX, TW, 3, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    case 2: return dot_panel_tiles<TX, TW, 2, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
+    default: return dot_panel_tiles<TX, TW, 1, K_BLOCKED>(x, ldx, mr, w, ldw, K, k_scales, block_k, out, ldo);
   }
 }
 
@@ -478,7 +457,7 @@ using QuantizedRow = std::conditional_t<scheme == ActivationQuant::kSglang || sc
 // A row as the quantized tiles read it: quantized by `scheme` (static_scale: kFp8Static's), returning
 // its scale; or with kNone (weight-only: activations stay as they are) widened to fp32, scale 1. Once
 // per row, not once per tile: with more than kStreamRows rows the fp32 tiles then neither widen x
-// again for every weight tile nor spill (dot_panel_fma); weight-only int8 at 8 rows ran 1.36x faster
+// again for every weight tile nor spill (dot_panel_tiles); weight-only int8 at 8 rows ran 1.36x faster
 // so on a Zen 1 EPYC.
 template <ActivationQuant scheme, typename T>
 inline float quantize_row(const T* x, int64_t K, QuantizedRow<scheme>* q, float static_scale) {
