@@ -63,14 +63,42 @@ def host_isa() -> str:
 
 @functools.cache
 def cpu_model() -> str:
-    """The CPU's model name ("AMD EPYC ..."), for the tables that must name the CPU they ran on."""
+    """The CPU, for the tables that must name what they ran on: its model name with its family and model
+    numbers, and for AMD the core they mean ("AMD EPYC (family 25 model 1: Zen 3)"). A cloud's model
+    name can be just "AMD EPYC", and the two kinds of AVX2 EPYC differ: a Zen 1 core splits every
+    256-bit op in two, a Zen 3 core runs two 256-bit FMAs a cycle."""
     try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return describe_cpu(pathlib.Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return platform.processor() or platform.machine()
+
+
+def describe_cpu(cpuinfo: str) -> str:
+    """cpu_model() of the text of /proc/cpuinfo (its first processor)."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break
+        key, _, value = line.partition(":")
+        fields[key.strip()] = value.strip()
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if not (fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit()):
+        return name
+    family, model = int(fields["cpu family"]), int(fields["model"])
+    core = _amd_core(family, model) if fields.get("vendor_id") == "AuthenticAMD" else None
+    return f"{name} (family {family} model {model}{': ' + core if core else ''})"
+
+
+def _amd_core(family: int, model: int) -> str | None:
+    """The Zen generation of an AMD family and model (AMD's processor programming references)."""
+    if family == 0x17:
+        return "Zen 2" if model >= 0x30 else "Zen 1"
+    if family == 0x19:
+        zen4 = 0x10 <= model < 0x20 or 0x60 <= model < 0x80 or 0xA0 <= model < 0xB0
+        return "Zen 4" if zen4 else "Zen 3"
+    if family == 0x1A:
+        return "Zen 5"
+    return None
 
 
 def target_isa() -> str:

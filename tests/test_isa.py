@@ -6,6 +6,8 @@ and runs the templates for an AVX2 target, and a machine without AVX512-BF16 com
 for one that has it.
 """
 
+import pathlib
+
 import pytest
 import torch
 from torch import nn
@@ -42,6 +44,21 @@ def test_target_isa_follows_cpp_march():
         assert pack_blocks(weight).shape == (2, 3 * 2 * 32)  # 32-column VNNI blocks of k pairs
     with torch._inductor.config.patch({"cpp.march": "some-future-cpu"}):
         assert isa.target_isa() == "default" and not can_pack(torch.bfloat16)  # unknown: the portable kernels
+
+
+@pytest.mark.parametrize("vendor, name, family, model, described", [
+    ("AuthenticAMD", "AMD EPYC", 23, 1, "AMD EPYC (family 23 model 1: Zen 1)"),
+    ("AuthenticAMD", "AMD EPYC", 23, 49, "AMD EPYC (family 23 model 49: Zen 2)"),
+    ("AuthenticAMD", "AMD EPYC", 25, 1, "AMD EPYC (family 25 model 1: Zen 3)"),
+    ("AuthenticAMD", "AMD EPYC 9654", 25, 17, "AMD EPYC 9654 (family 25 model 17: Zen 4)"),
+    ("AuthenticAMD", "AMD EPYC", 26, 2, "AMD EPYC (family 26 model 2: Zen 5)"),
+    ("GenuineIntel", "Intel(R) Xeon(R) Platinum 8480+", 6, 143, "Intel(R) Xeon(R) Platinum 8480+ (family 6 model 143)"),
+])
+def test_cpu_model_names_the_core_a_generic_model_name_hides(vendor, name, family, model, described):
+    first = f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: {name}\n"
+    assert isa.describe_cpu(first + "\nprocessor\t: 1\ncpu family\t: 99\n") == described  # the first processor's
+    assert isa.describe_cpu(f"model name\t: {name}\n") == name  # without a family and model: the name alone
+    assert isa.cpu_model() == isa.describe_cpu(pathlib.Path("/proc/cpuinfo").read_text())
 
 
 def test_gemm_probe_times_the_roof_dtype_quickly():

@@ -262,7 +262,7 @@ constexpr int kPvVecsFp32 = 2;  // vectors of columns per P.V tile
 // kDirectRows rows (on AVX2 3 rows fit the registers too, but measured no faster). Then every row is read
 // by one tile only, and both products widen it straight from the cache: the fp32 copy in scratch, which
 // pays for itself by serving the other head tiles, would only cost a store and a reload (the block's
-// copies overflow L1). benchmarks/gqa_decode.py on a Zen 1 EPYC: 30.0 -> 22.4 ms, with the value rows
+// copies overflow L1). benchmarks/gqa_decode.py on an AVX2 EPYC: 30.0 -> 22.4 ms, with the value rows
 // prefetched by the score pass (which the copy into scratch used to do).
 constexpr int kDirectHeads = 4;
 #if defined(CPU_CAPABILITY_AVX512)
@@ -275,8 +275,8 @@ constexpr bool widens_from_cache(int H) { return H <= kDirectHeads; }
 
 // Whether those kernels read a bf16 cache sixteen values at a time in pairs (widen_bf16x16_paired): on
 // AVX2, where the in-order widening (a zero-extending load and a shift per eight values) ran on the
-// pipes the FMAs need (a Zen 1 core retires one ymm FMA a cycle, and a grouped-query row of 4 heads
-// takes 4 per 8 values).
+// pipes the FMAs need (that EPYC retired about one ymm FMA a cycle per core, and a grouped-query row of
+// 4 heads takes 4 per 8 values).
 template <typename C, int H>
 constexpr bool pairs_columns() {
 #if defined(CPU_CAPABILITY_AVX2)
@@ -813,7 +813,7 @@ inline void widen_values(const BlockRows<T, IndexT>& value, int n, int n_next, f
 // o = alpha * o + p . values (alpha = nullptr: o = p . values) over n value rows. Column chunks
 // outside, head tiles inside: a chunk of every row (8 KiB for 128 rows) stays in L1 while all head tiles
 // pass over it; the other order read the whole block from L2 once per head tile, which bound the pass
-// by L2 bandwidth (1.6x slower on a Zen 1 EPYC).
+// by L2 bandwidth (1.6x slower on an AVX2 EPYC).
 template <int H, int64_t L, typename Rows>
 inline void block_pv_fp32(const float* p, Rows values, int n, const float* alpha, SoftmaxState& st) {
   constexpr int kHeadTiles = (H + kPvHeadsFp32 - 1) / kPvHeadsFp32;

@@ -123,7 +123,7 @@ constexpr int kFmaTileCols = 2;
 // at most kStreamRows x rows also prefetch (see above), once per 64-byte line of each weight row: the
 // loop runs a line of vectors per iteration, so no branch in it asks whether this vector starts a
 // line. With that branch GCC kept the accumulators in memory, a store and a reload on every FMA
-// chain each step, which held the one-row fp8 GEMV to half the copy bandwidth of a Zen 1 EPYC.
+// chain each step, which held the one-row fp8 GEMV to half the copy bandwidth of an AVX2 EPYC (Zen 3).
 template <int MR, int NR, int64_t V, typename TW, typename Step>
 __attribute__((always_inline)) inline int64_t for_each_vector(const TW* w, int64_t ldw, int64_t k0, int64_t k1,
                                                               Step&& step) {
@@ -471,7 +471,7 @@ using QuantizedRow = std::conditional_t<scheme == ActivationQuant::kSglang || sc
 // its scale; or with kNone (weight-only: activations stay as they are) widened to fp32, scale 1. Once
 // per row, not once per tile: with more than kStreamRows rows the fp32 tiles then neither widen x
 // again for every weight tile nor spill (dot_panel_tiles); weight-only int8 at 8 rows ran 1.36x faster
-// so on a Zen 1 EPYC.
+// so on an AVX2 EPYC.
 template <ActivationQuant scheme, typename T>
 inline float quantize_row(const T* x, int64_t K, QuantizedRow<scheme>* q, float static_scale) {
   if constexpr (scheme == ActivationQuant::kNone) {

@@ -45,7 +45,7 @@ constexpr bool is_fp8 = is_e4m3fn<T> || std::is_same_v<T, c10::Float8_e5m2>;
 
 // load_floats<T> returns T's values times kWidenedScale<T>: 1, except e4m3fn's 2^-8, which its callers
 // fold into a scale they apply anyway (the scores' scale, the output's normalisation) rather than pay
-// a multiply per vector (12% of an fp8 grouped-query decode step on a Zen 1 EPYC).
+// a multiply per vector (12% of an fp8 grouped-query decode step on an AVX2 EPYC).
 template <typename T>
 constexpr float kWidenedScale = is_e4m3fn<T> ? 1.f / 256 : 1.f;
 
