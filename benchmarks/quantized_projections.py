@@ -3,12 +3,13 @@ stack of layers whose weights exceed the L3, against our bf16 template and stock
 quantized weights.
 
 Formats (ops/weight_quant.py): bf16; int8 weight-only with per-channel scales (torchao's
-Int8WeightOnlyConfig); SGLang's W8A8 (int8 weights, activations quantized per token); fp8 e4m3 with
-128 x 128 block scales (DeepSeek-V3's checkpoints, SGLang's W8A16).
+Int8WeightOnlyConfig); SGLang's W8A8 (int8 weights, activations quantized per token, absmax / 127);
+torchao's W8A8 (Int8DynamicActivationInt8WeightConfig's per-token scheme, absmax / 127.5); fp8 e4m3
+with 128 x 128 block scales (DeepSeek-V3's checkpoints, SGLang's W8A16).
 
 "mla" calls mla::qkv_a_proj with the weights as they are; "stock" compiles the same math spelled as
 plain PyTorch, the way each format reaches Inductor (torchao's dequantize-and-mm for int8, a per-token
-quantize and torch._int_mm for W8A8, the block dequantization for fp8), with and without freezing
+quantize and torch._int_mm for either W8A8, the block dequantization for fp8), with and without freezing
 ("stock best" is the faster). All variants of a row count, and a large copy, run in the same
 interleaved rounds. Asserts nothing.
 
@@ -22,12 +23,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_inductor import benchmarking
-from mla_inductor.ops.weight_quant import (dequantize_weight, quantize_rows_int8, quantize_weight_fp8_blocks,
-                                           quantize_weight_int8)
+from mla_inductor.ops.weight_quant import (dequantize_weight, quantize_rows_int8, quantize_rows_int8_torchao,
+                                           quantize_weight_fp8_blocks, quantize_weight_int8)
 
 HIDDEN, Q_ROWS, KV_ROWS, LATENT = 7168, 1536, 576, 512
 BLOCK = [128, 128]
-FORMATS = ("bf16", "int8", "w8a8", "fp8")
+FORMATS = ("bf16", "int8", "w8a8", "w8a8-torchao", "fp8")
+# activation_quant of each format's mla::qkv_a_proj call
+ACTIVATION_QUANT = {"w8a8": "int8", "w8a8-torchao": "int8_torchao"}
 
 
 def quantize(w: torch.Tensor, fmt: str):
@@ -35,7 +38,7 @@ def quantize(w: torch.Tensor, fmt: str):
     128 x 128 block absmax / 448 for fp8."""
     if fmt == "bf16":
         return w, None
-    return quantize_weight_int8(w) if fmt in ("int8", "w8a8") else quantize_weight_fp8_blocks(w, BLOCK)
+    return quantize_weight_fp8_blocks(w, BLOCK) if fmt == "fp8" else quantize_weight_int8(w)
 
 
 class Layer(nn.Module):
@@ -55,8 +58,8 @@ class Layer(nn.Module):
             return F.linear(x, w)
         if self.fmt == "int8":
             return torch.mm(x, w.t().to(torch.bfloat16)) * scale.to(torch.bfloat16).view(-1)
-        if self.fmt == "w8a8":
-            q, x_scale = quantize_rows_int8(x)
+        if self.fmt in ACTIVATION_QUANT:
+            q, x_scale = (quantize_rows_int8_torchao if self.fmt == "w8a8-torchao" else quantize_rows_int8)(x)
             return (torch._int_mm(q, w.t()).float() * x_scale * scale.view(-1)).to(torch.bfloat16)
         return F.linear(x, dequantize_weight(w, scale, BLOCK).to(torch.bfloat16))  # block dequantization, in the graph
 
@@ -65,7 +68,7 @@ class Layer(nn.Module):
             quant = {} if self.fmt == "bf16" else dict(
                 q_weight_scale=self.q_scale, kv_weight_scale=self.kv_scale,
                 weight_block_size=BLOCK if self.fmt == "fp8" else None,
-                activation_quant="int8" if self.fmt == "w8a8" else "none")
+                activation_quant=ACTIVATION_QUANT.get(self.fmt, "none"))
             return torch.ops.mla.qkv_a_proj(x, self.q_weight, self.kv_weight, self.q_norm, self.kv_norm, 1e-6, 1e-6,
                                             **quant)
         q = F.rms_norm(self.project(x, self.q_weight, self.q_scale), (Q_ROWS,), self.q_norm, 1e-6)
