@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_inductor import benchmarking
-from mla_inductor.ops.weight_quant import (dequantize_weight, quantize_rows_int8, quantize_rows_int8_torchao,
-                                           quantize_weight_fp8_blocks, quantize_weight_int8)
+from mla_inductor.ops.weight_quant import (dequantize_weight, quantize_rows, quantize_weight_fp8_blocks,
+                                           quantize_weight_int8)
 
 HIDDEN, Q_ROWS, KV_ROWS, LATENT = 7168, 1536, 576, 512
 BLOCK = [128, 128]
@@ -59,7 +59,7 @@ class Layer(nn.Module):
         if self.fmt == "int8":
             return torch.mm(x, w.t().to(torch.bfloat16)) * scale.to(torch.bfloat16).view(-1)
         if self.fmt in ACTIVATION_QUANT:
-            q, x_scale = (quantize_rows_int8_torchao if self.fmt == "w8a8-torchao" else quantize_rows_int8)(x)
+            q, x_scale = quantize_rows(x, ACTIVATION_QUANT[self.fmt])
             return (torch._int_mm(q, w.t()).float() * x_scale * scale.view(-1)).to(torch.bfloat16)
         return F.linear(x, dequantize_weight(w, scale, BLOCK).to(torch.bfloat16))  # block dequantization, in the graph
 

@@ -63,7 +63,7 @@ def quantized_weights(scale, weight_block_size, activation_quant, *weights) -> O
         return value is not None and not ((value.view(torch.uint8) & 0x7F) == 0x7F).any()
 
     return dict(weight_block_size=weight_block_size, activation_quant=activation_quant,
-                finite_e4m3fn=all(map(finite_e4m3fn, weights)))
+                finite_e4m3fn=bool(weights) and all(map(finite_e4m3fn, weights)))
 
 
 def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
