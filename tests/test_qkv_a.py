@@ -295,6 +295,51 @@ def test_quantized_templates_in_one_compile():
             assert_close_to_quantized_reference(out, args)
 
 
+class EveryFiniteE4m3fn(nn.Module):
+    """Frozen e4m3fn weights holding every finite value (its two NaN bytes zeroed), which the template
+    widens NaN-free (widen.h's Float8_e4m3fn_finite): q has no norm, so row m of x = I gives q[m, n] =
+    q_weight[n, m] times its scale, exactly (powers of two; 3 mantissa bits fit bf16's 7). With scales
+    per [8, 32] block (K blocked: they scale x) and per 8 rows over all of K (they scale the sums)."""
+
+    def __init__(self, hidden=64, nq=16, lora=8, rope=8):
+        super().__init__()
+        bits = torch.arange(256, dtype=torch.int32).repeat(nq * hidden // 256).view(nq, hidden)
+        bits[(bits & 0x7F) == 0x7F] = 0
+        constant = lambda t: nn.Parameter(t, requires_grad=False)  # noqa: E731
+        self.q_weight = constant(bits.to(torch.uint8).view(torch.float8_e4m3fn))
+        self.kv_weight = constant(torch.ones(lora + rope, hidden).to(torch.float8_e4m3fn))
+        self.kv_norm_weight = constant(torch.ones(lora, dtype=torch.bfloat16))
+        self.blocks = {(8, 32): 2.0 ** torch.arange(-2.0, 2.0).view(2, 2), (8, hidden): torch.tensor([[0.25], [4.0]])}
+        self.scales = nn.ParameterList(constant(scale) for scale in self.blocks.values())
+
+    def forward(self, x):
+        return [op(x, self.q_weight, self.kv_weight, None, self.kv_norm_weight, 1e-6, 1e-6, q_weight_scale=scale,
+                   kv_weight_scale=scale, weight_block_size=list(block))[0]
+                for block, scale in zip(self.blocks, self.scales)]
+
+    def expected(self, block, scale):
+        block_n, block_k = block
+        weight = self.q_weight.float() * scale.repeat_interleave(block_n, 0).repeat_interleave(block_k, 1)[:, :64]
+        return weight.t().bfloat16()
+
+
+def test_frozen_fp8_weights_widen_every_finite_value_exactly():
+    """Rows 0..63 in tiles of several rows, row 64 (e_0 again) in a one-row tile: both kinds of tile.
+    x = 2^-24 I too: the widened weights times x stay clear of fp32's subnormals (nt_dot.h's kXPrescale)."""
+    model = EveryFiniteE4m3fn().eval()
+    eye = torch.cat([torch.eye(64), torch.eye(64)[:1]])
+    torch._dynamo.reset()
+    with benchmarking.inference_freezing(), torch.no_grad():
+        compiled = torch.compile(model)
+        _, (code,) = run_and_get_code(compiled, eye.bfloat16())
+        assert code.count("using weight_t = mla_inductor::Float8_e4m3fn_finite;") == 2 and "torch.ops.mla" not in code
+        for x_scale in (1.0, 2.0**-24):
+            for out, block, scale in zip(compiled((eye * x_scale).bfloat16()), model.blocks, model.scales):
+                expected = model.expected(block, scale) * x_scale
+                torch.testing.assert_close(out, torch.cat([expected, expected[:1]]), atol=0, rtol=0,
+                                           msg=f"{block}, x times {x_scale}")
+
+
 class DirectCall(nn.Module):
     """The op called by a model on its own parameters: under freezing they become graph constants."""
 

@@ -141,6 +141,13 @@ __attribute__((always_inline)) inline int64_t for_each_vector(const TW* w, int64
   return k;
 }
 
+// Frozen e4m3fn weights widen to their values times 2^-120 (widen.h), which would put the products of
+// small x and small weights in fp32's subnormal range, where the sums lose precision. x is multiplied
+// by 2^64 instead (into the K block's scale where there is one; else one multiply per x vector, which
+// the cheaper widening pays for), and nt_task_scaled undoes both.
+template <typename TW>
+constexpr float kXPrescale = std::is_same_v<TW, Float8_e4m3fn_finite> ? 0x1p64f : 1.f;
+
 // The same tiles read quantized weights (int8, fp8: TW of one byte; x then of its own type TX) with
 // their scales, see WeightScales below: with K_BLOCKED, x is multiplied by each K block's scale
 // k_scales[k / block_k]; otherwise block_k is K and the caller scales the finished sums.
@@ -157,7 +164,7 @@ inline void dot_tile_fma(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int
     Vec xv[MR];
     for (int m = 0; m < MR; ++m) {
       xv[m] = count == V ? load_floats(x + m * ldx + k) : load_floats(x + m * ldx + k, count);
-      if constexpr (K_BLOCKED) xv[m] = xv[m] * s;
+      if constexpr (K_BLOCKED || kXPrescale<TW> != 1.f) xv[m] = xv[m] * s;
     }
     for (int n = 0; n < NR; ++n) {
       const Vec wv = count == V ? load_floats(w + n * ldw + k) : load_floats(w + n * ldw + k, count);
@@ -166,7 +173,7 @@ inline void dot_tile_fma(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int
   };
   for (int64_t k0 = 0; k0 < K; k0 += block_k) {
     const int64_t k1 = std::min(K, k0 + block_k);
-    const Vec s(K_BLOCKED ? k_scales[k0 / block_k] : 1.f);
+    const Vec s((K_BLOCKED ? k_scales[k0 / block_k] : 1.f) * kXPrescale<TW>);
     const auto step = [&](int64_t k) __attribute__((always_inline)) { fmadd_step(k, V, s); };
     const int64_t k = for_each_vector<MR, NR, V>(w, ldw, k0, k1, step);
     if (k < k1) fmadd_step(k, k1 - k, s);  // K's last, partial vector (a K block holds whole vectors)
@@ -390,7 +397,8 @@ inline void nt_task_scaled(int64_t task, const TX* x, int64_t ldx, const float* 
     dot_panel_scaled<TX, TW, false>(xt, ldx, mr, wt, ldw, nr, K, nullptr, K, ot, ldo);
   }
   for (int m = 0; m < mr; ++m) {
-    const float row = (row_scales ? row_scales[m0 + m] : 1.f) / kWidenedScale<TW>;  // undo the widening's factor
+    // undo the widening's factor and x's
+    const float row = (row_scales ? row_scales[m0 + m] : 1.f) / (kWidenedScale<TW> * kXPrescale<TW>);
     for (int n = 0; n < nr; ++n) {
       const float column = k_blocked ? 1.f : scales.scale[(n0 + n) / scales.block_n * scales.ld];
       ot[m * ldo + n] *= row * column;
