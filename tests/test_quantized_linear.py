@@ -374,6 +374,40 @@ def test_deepseek_prefill_with_torchao_dynamic_int8_fuses_the_a_projections(deep
     torch.testing.assert_close(actual, expected, atol=0.15, rtol=0.05)
 
 
+def test_deepseek_decode_with_torchao_dynamic_int8_compiled_fires_every_fusion_of_bf16(deepseek_w8a8):
+    """The StaticCache decode step through the backend (not frozen: W8A8's int8 weights are inputs of
+    the templates either way): every fusion of the bf16 step fires. qkv_a_proj and q_b_absorb quantize
+    their x in the template by torchao's scheme. kv_b_proj's W_kc and W_vc are its dequantized weight,
+    as SGLang absorbs a W8A8 kv_b_proj, so the attention no longer quantizes the cache rows per token:
+    greedy tokens equal, logits within W8A8's noise."""
+    config, model, prompt = deepseek_w8a8
+    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=24)  # noqa: E731
+    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 2)
+    cache = make_cache()
+    step = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                         backend="mla_inductor")
+    codes = []
+
+    def compiled_step(ids, pos):  # the generated code of the first call, which compiles
+        out, code = run_and_get_code(step, ids, pos) if not codes else (step(ids, pos), [])
+        codes.extend(code)
+        return out
+
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
+    tokens, logits = greedy(model, cache, prompt, 2, compiled_step)
+    counts = mla_inductor.fusion_counts()
+    for fusion in ("qkv_a_proj", "q_b_absorb", "mla_decode", "qkv_proj_with_rope"):
+        assert counts[fusion] == config.num_layers, counts
+    assert counts["rope"] == 2 * config.num_layers, counts
+    code = "\n".join(codes)
+    assert code.count("mi::quantize_row<mi::ActivationQuant::kTorchao>(") == 2, "qkv_a_proj's x and q_b_absorb's q_a"
+    assert "wqb = reinterpret_cast<const int8_t*>(" in code
+    assert torch.equal(tokens, expected_tokens)
+    assert (logits.float() - expected_logits.float()).abs().mean() < 0.03 * expected_logits.float().abs().mean()
+    torch.testing.assert_close(logits, expected_logits, atol=0.15, rtol=0.05)
+
+
 @pytest.fixture(scope="module")
 def deepseek_w8a8():
     config = get_config("tiny", num_layers=1)
