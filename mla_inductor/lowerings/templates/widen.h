@@ -31,7 +31,7 @@ __attribute__((always_inline)) inline __m256 widen_bf16x8(const c10::BFloat16* p
 // the value times 2^-8 (e4m3fn). Both convert subnormals, infinities and NaN exactly.
 //
 // Float8_e4m3fn_finite is e4m3fn's bytes where the lowering has proved there is no NaN (a frozen weight,
-// lowerings/segment_gemm.py). Without a NaN to keep, they skip fp16 too: see widen_e4m3fn_finite.
+// lowerings/segment_gemm.py). Without a NaN to keep, they skip fp16 too: see e4m3fn_finite_as_fp32_bits.
 struct Float8_e4m3fn_finite {
   uint8_t bits;
   operator float() const { return static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits())); }
@@ -51,8 +51,8 @@ template <typename T>
 constexpr float kWidenedScale = std::is_same_v<T, Float8_e4m3fn_finite> ? 0x1p-120f : is_e4m3fn<T> ? 0x1p-8f : 1.f;
 
 #if defined(__AVX2__)
-// e5m2 is the high byte of an fp16. e4m3fn's (c10::Float8_e4m3fn's) exponent and mantissa fields move to fp16's places: the
-// exponent biases differ by 8 (15 - 7), so the fp16 holds the value times 2^-8 (kWidenedScale);
+// e5m2 is the high byte of an fp16. c10::Float8_e4m3fn's exponent and mantissa fields move to fp16's
+// places: the exponent biases differ by 8 (15 - 7), so the fp16 holds the value times 2^-8 (kWidenedScale);
 // S.1111.111, e4m3fn's only NaN (it has no infinities), would land on a finite fp16 and is set to an
 // fp16 NaN instead (a quarter of the conversion's cost, kept: a NaN in the cache must not read as a
 // number). `high` holds the fp8 bytes as the high bytes of 16-bit lanes (x << 8): shifting it right
@@ -80,11 +80,10 @@ __attribute__((always_inline)) inline __m256 widen_fp8x8(const T* p) {
 // NaN-free e4m3fn straight into fp32's bits: the byte sign-extended to 32 bits and shifted left by 20
 // puts exponent and mantissa at fp32's bits 20..26 and the sign at 27..31, of which the mask keeps 31.
 // The biases differ by 120 (127 - 7), so that is the value times 2^-120 (kWidenedScale), subnormals
-// (exponent 0) included, as fp32 subnormals; AVX2 and AVX-512 FMAs take those at full speed on the
-// EPYCs here. Three integer ops per vector, against the fp16 route's four and a vcvtph2ps, which on
-// an AVX2 EPYC (Zen 3) ran the one-row fp8 GEMV at 4 weight bytes a cycle, its memory's rate per
-// core, so the two could not overlap: 67-78% of the copy bandwidth, and 94-95% this way.
-// One body serves 8 lanes (__v8si) and 16 (__v16si), as fp8_as_fp16's does.
+// (exponent 0) included, as fp32 subnormals, which Zen 3's FMAs take at full speed (measured; an Intel
+// core may take a microcode assist on them). Three integer ops per vector, against the fp16 route's
+// three and a vcvtph2ps: one core's fp8 tiles over a weight in L2 went from 11 to 16 GB/s on an AVX2
+// EPYC (Zen 3; docs/quantized_weights.md). One body serves 8 lanes (__v8si) and 16 (__v16si).
 template <typename V>
 __attribute__((always_inline)) inline V e4m3fn_finite_as_fp32_bits(V sign_extended) {
   return (sign_extended << 20) & int32_t(0x87ffffff);
