@@ -133,29 +133,35 @@ def test_deepseek_prefill_graph_fuses_the_int8_a_projections_and_restores_the_ot
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 
-def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(deepseek_int8):
-    """Through the backend with freezing: the fused templates read the int8 constants, the Linears no
-    fusion took are Inductor's `_weight_int8pack_mm`, and greedy decoding equals eager's."""
-    config, model, prompt = deepseek_int8
+def static_cache_decode(model, prompt, steps, freezing=False):
+    """Greedy decoding with a StaticCache, eager and through the backend (fusion counts reset first):
+    both (tokens, logits), and the generated code of the compiled step's first call, which compiles."""
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=24)  # noqa: E731
-    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 3)
+    expected = greedy(model, make_cache(), prompt, steps)
     cache = make_cache()
     step = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
                          backend="mla_inductor")
     codes = []
 
-    def compiled_step(ids, pos):  # the generated code of the first call, which compiles
+    def compiled_step(ids, pos):
         out, code = run_and_get_code(step, ids, pos) if not codes else (step(ids, pos), [])
         codes.extend(code)
         return out
 
     torch._dynamo.reset()
     mla_inductor.reset_counts()
-    with torch._inductor.config.patch(freezing=True):  # read while tracing: the first call
-        tokens, logits = greedy(model, cache, prompt, 3, compiled_step)
+    with torch._inductor.config.patch(freezing=freezing):  # read while tracing: the first call
+        compiled = greedy(model, cache, prompt, steps, compiled_step)
+    return expected, compiled, "\n".join(codes)
+
+
+def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(deepseek_int8):
+    """Through the backend with freezing: the fused templates read the int8 constants, the Linears no
+    fusion took are Inductor's `_weight_int8pack_mm`, and greedy decoding equals eager's."""
+    config, model, prompt = deepseek_int8
+    (expected_tokens, expected_logits), (tokens, logits), code = static_cache_decode(model, prompt, 3, freezing=True)
     counts = mla_inductor.fusion_counts()
     assert counts["qkv_a_proj"] == counts["q_b_absorb"] == counts["mla_decode"] == config.num_layers, counts
-    code = "\n".join(codes)
     assert "mi::nt_task_scaled(" in code and "wqb = reinterpret_cast<const int8_t*>(" in code  # q_b_absorb on the int8 q_b_proj
     assert "_weight_int8pack_mm" in code
     assert torch.equal(tokens, expected_tokens)
@@ -381,26 +387,11 @@ def test_deepseek_decode_with_torchao_dynamic_int8_compiled_fires_every_fusion_o
     as SGLang absorbs a W8A8 kv_b_proj, so the attention no longer quantizes the cache rows per token:
     greedy tokens equal, logits within W8A8's noise."""
     config, model, prompt = deepseek_w8a8
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=24)  # noqa: E731
-    expected_tokens, expected_logits = greedy(model, make_cache(), prompt, 2)
-    cache = make_cache()
-    step = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
-                         backend="mla_inductor")
-    codes = []
-
-    def compiled_step(ids, pos):  # the generated code of the first call, which compiles
-        out, code = run_and_get_code(step, ids, pos) if not codes else (step(ids, pos), [])
-        codes.extend(code)
-        return out
-
-    torch._dynamo.reset()
-    mla_inductor.reset_counts()
-    tokens, logits = greedy(model, cache, prompt, 2, compiled_step)
+    (expected_tokens, expected_logits), (tokens, logits), code = static_cache_decode(model, prompt, 2)
     counts = mla_inductor.fusion_counts()
     for fusion in ("qkv_a_proj", "q_b_absorb", "mla_decode", "qkv_proj_with_rope"):
         assert counts[fusion] == config.num_layers, counts
     assert counts["rope"] == 2 * config.num_layers, counts
-    code = "\n".join(codes)
     assert code.count("mi::quantize_row<mi::ActivationQuant::kTorchao>(") == 2, "qkv_a_proj's x and q_b_absorb's q_a"
     assert "wqb = reinterpret_cast<const int8_t*>(" in code
     assert torch.equal(tokens, expected_tokens)
