@@ -9,8 +9,11 @@ from . import lowerings  # noqa: F401  (registers their Inductor lowerings)
 from .backend import inductor_options, mla_inductor_backend as backend
 from .config import FUSIONS, VERSION as __version__
 from .explain import Explanation, explain
-from .passes import MLAPass
+from .passes import MLAPass, key_fx_cache_on_sources
 from .record import fusion_counts, reset_counts
+
+# The lowerings above serve the stock `inductor` backend too: its FX-graph cache must see our sources.
+key_fx_cache_on_sources()
 
 __all__ = [
     "FUSIONS",

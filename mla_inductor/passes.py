@@ -4,7 +4,8 @@ It is installed twice per compile:
 - as `joint_custom_post_pass`: under `freezing=True` this is the last stage that still holds `aten.mm`
   (freezing later packs weights into `mkldnn._linear_pointwise`); views there are `aten.view`;
 - as `post_grad_custom_post_pass`: without freezing; views there are `aten.reshape`.
-Each stage has its own PatternMatcherPass because patterns are traced differently for each.
+SourceKey, a pass that does nothing, keys Inductor's FX-graph cache on the package's sources for every
+compile of the process, the stock backend's included. Each stage has its own PatternMatcherPass because patterns are traced differently for each.
 Quantized Linears are given one canonical form first and their spelling back after the fusions
 (patterns/quantized_linear.py).
 """
@@ -15,6 +16,7 @@ import hashlib
 import pathlib
 
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.pattern_matcher import stable_topological_sort
 
@@ -41,6 +43,27 @@ def source_hash() -> str:
             hasher.update(str(path.relative_to(_PACKAGE_DIR)).encode())
             hasher.update(path.read_bytes())
     return hasher.hexdigest()
+
+
+class SourceKey(CustomGraphPass):
+    """A pass that does nothing, whose uuid is source_hash(). The lowerings also serve graphs that call
+    mla:: ops under the stock `inductor` backend, where MLAPass is not installed, and Inductor's FX-graph
+    cache keys on pass uuids but never on registered lowerings: such a graph compiled before a template
+    changed was served its old C++ (a benchmark ran a kernel compiled hours earlier from older headers).
+    Installed at import in a slot the backend leaves free (key_fx_cache_on_sources)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return f"mla_inductor-sources-{source_hash()}"
+
+
+def key_fx_cache_on_sources() -> None:
+    """Make every FX-graph cache key of this process depend on the package's sources: SourceKey as
+    Inductor's post_grad_custom_pre_pass, unless the user has set that slot (then theirs stands)."""
+    if inductor_config.post_grad_custom_pre_pass is None:
+        inductor_config.post_grad_custom_pre_pass = SourceKey()
 
 
 class MLAPass(CustomGraphPass):

@@ -118,3 +118,22 @@ def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_ca
     assert compiled["fusions"]["rope"] > 0 and compiled["fusions"]["gqa_qkv"] > 0, compiled
     assert served["fusions"] == compiled["fusions"]
     assert compiled["kernel"] and served["kernel"]
+
+
+def test_the_fx_graph_cache_key_follows_the_package_sources_under_the_stock_backend(monkeypatch):
+    """A graph that calls mla:: ops under the stock `inductor` backend has no MLAPass in its compile, and
+    Inductor's FX-graph cache does not key on registered lowerings: importing the package installs
+    SourceKey, so an edited template (another source_hash) is another key, never the old C++."""
+    import torch
+    from torch._inductor.codecache import compiled_fx_graph_hash
+
+    from mla_inductor import passes
+
+    assert isinstance(torch._inductor.config.post_grad_custom_pre_pass, passes.SourceKey)
+    graph = torch.fx.symbolic_trace(lambda x: x * 2)
+    key = lambda: compiled_fx_graph_hash(graph, [torch.ones(4)], {}, [])[0]  # noqa: E731
+    before = key()
+    monkeypatch.setattr(passes, "source_hash", lambda: "an edited template")
+    assert key() != before
+    monkeypatch.undo()
+    assert key() == before
