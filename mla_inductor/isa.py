@@ -70,7 +70,7 @@ def cpu_model() -> str:
     try:
         return describe_cpu(pathlib.Path("/proc/cpuinfo").read_text())
     except OSError:
-        return platform.processor() or platform.machine()
+        return describe_cpu("")
 
 
 def describe_cpu(cpuinfo: str) -> str:

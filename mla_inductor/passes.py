@@ -4,8 +4,9 @@ It is installed twice per compile:
 - as `joint_custom_post_pass`: under `freezing=True` this is the last stage that still holds `aten.mm`
   (freezing later packs weights into `mkldnn._linear_pointwise`); views there are `aten.view`;
 - as `post_grad_custom_post_pass`: without freezing; views there are `aten.reshape`.
+Each stage has its own PatternMatcherPass because patterns are traced differently for each.
 SourceKey, a pass that does nothing, keys Inductor's FX-graph cache on the package's sources for every
-compile of the process, the stock backend's included. Each stage has its own PatternMatcherPass because patterns are traced differently for each.
+compile of the process, the stock backend's included.
 Quantized Linears are given one canonical form first and their spelling back after the fusions
 (patterns/quantized_linear.py).
 """

@@ -318,9 +318,7 @@ class EveryFiniteE4m3fn(nn.Module):
                 for block, scale in zip(self.blocks, self.scales)]
 
     def expected(self, block, scale):
-        block_n, block_k = block
-        weight = self.q_weight.float() * scale.repeat_interleave(block_n, 0).repeat_interleave(block_k, 1)[:, :64]
-        return weight.t().bfloat16()
+        return dequantize_fp64(self.q_weight, scale, block).t().bfloat16()
 
 
 def test_frozen_fp8_weights_widen_every_finite_value_exactly():
