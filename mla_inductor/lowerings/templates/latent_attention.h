@@ -245,19 +245,42 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
 }
 #endif
 
-// Register tiles of the portable kernels. AVX2 has 16 vector registers: a 3 x 3 score tile keeps its 9
-// accumulators, 3 query and 3 key vectors in registers (6 loads feed 9 FMAs); a 6-head P.V tile keeps
-// 6 x 2 accumulators, 2 value vectors and a broadcast probability (8 loads for 12 FMAs). AVX-512 has 32.
+// Register tiles of the portable kernels. AVX2 has 16 vector registers: a 4 x 3 score tile keeps its 12
+// accumulators, 3 key vectors and one query vector at a time in registers (7 loads feed 12 FMAs); a
+// 6-head P.V tile keeps 6 x 2 accumulators, 2 value vectors and a broadcast probability (8 loads for 12
+// FMAs). AVX-512 has 32.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr int kQkHeadsFp32 = 4;
 constexpr int kQkRowsFp32 = 4;
 constexpr int kPvHeadsFp32 = 12;
 #else
-constexpr int kQkHeadsFp32 = 3;
+constexpr int kQkHeadsFp32 = 4;
 constexpr int kQkRowsFp32 = 3;
 constexpr int kPvHeadsFp32 = 6;
 #endif
+
 constexpr int kPvVecsFp32 = 2;  // vectors of columns per P.V tile
+
+// v, kept in a register. A score tile multiplies each query vector by every key vector of the step and
+// each key vector by every query vector; GCC folds one of the two into every FMA as a memory operand,
+// which loads it once per FMA: the 3 x 3 tile issued 12 vector loads for 9 FMAs, and Zen 3's L1 serves
+// two a cycle. One core over a block of 22 heads x 128 rows (fp32, 576 columns): 45 GFLOP/s so, 75 with
+// both kinds of vector pinned, 85 as a 4 x 3 tile; benchmarks/mla_decode.py 1.15-1.29x (docs/isa.md).
+// (The grouped-query tiles, which widen their rows in registers, measured the same with it.)
+__attribute__((always_inline)) inline at::vec::Vectorized<float> in_register(at::vec::Vectorized<float> v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 r = v;
+  asm("" : "+v"(r));
+  return r;
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 r = v;
+  asm("" : "+x"(r));
+  return r;
+#else
+  return v;
+#endif
+}
+
 // Up to kDirectHeads heads (a grouped-query group, a few MLA heads per rank) fit one score tile of
 // kDirectRows rows (on AVX2 3 rows fit the registers too, but measured no faster). Then every row is read
 // by one tile only, and both products widen it straight from the cache: the fp32 copy in scratch, which
@@ -320,9 +343,10 @@ inline void qk_tile_fp32(const float* q, const float* k, float scale, float* s, 
     for (int n = 0; n < NR; ++n) acc[h][n] = Vec(0.f);
   auto step = [&](int64_t i, int64_t count) __attribute__((always_inline)) {
     Vec kv[NR];
-    for (int n = 0; n < NR; ++n) kv[n] = count == W ? Vec::loadu(k + n * D + i) : Vec::loadu(k + n * D + i, count);
+    for (int n = 0; n < NR; ++n)
+      kv[n] = in_register(count == W ? Vec::loadu(k + n * D + i) : Vec::loadu(k + n * D + i, count));
     for (int h = 0; h < MH; ++h) {
-      const Vec qv = count == W ? Vec::loadu(q + h * D + i) : Vec::loadu(q + h * D + i, count);
+      const Vec qv = in_register(count == W ? Vec::loadu(q + h * D + i) : Vec::loadu(q + h * D + i, count));
       for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
     }
   };
@@ -727,7 +751,7 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
       }
     }
     for (int h = 0; h < MH; ++h) {
-      const Vec qv = count == W ? Vec::loadu(q + h * D + col) : Vec::loadu(q + h * D + col, count);
+      const Vec qv = in_register(count == W ? Vec::loadu(q + h * D + col) : Vec::loadu(q + h * D + col, count));
       for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
     }
   };
