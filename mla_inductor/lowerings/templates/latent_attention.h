@@ -249,12 +249,11 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
 // accumulators, 3 key vectors and one query vector at a time in registers (7 loads feed 12 FMAs); a
 // 6-head P.V tile keeps 6 x 2 accumulators, 2 value vectors and a broadcast probability (8 loads for 12
 // FMAs). AVX-512 has 32.
-#if defined(CPU_CAPABILITY_AVX512)
 constexpr int kQkHeadsFp32 = 4;
+#if defined(CPU_CAPABILITY_AVX512)
 constexpr int kQkRowsFp32 = 4;
 constexpr int kPvHeadsFp32 = 12;
 #else
-constexpr int kQkHeadsFp32 = 4;
 constexpr int kQkRowsFp32 = 3;
 constexpr int kPvHeadsFp32 = 6;
 #endif
