@@ -55,10 +55,20 @@ def call(fn, tokens, seed=0, **changes):
               1e-6)
 
 
+def assert_no_less_accurate(ours, staged, fp64):
+    """Against fp64: a mean error at most the per-stage reference's, and a largest error at most twice
+    its own (DESIGN.md). k is rounded once on both sides, so there the two means are equal up to the
+    few bf16 roundings that fp32 accumulation order flips (oneDNN picks its kernels by M and ISA:
+    measured 2e-5 relative at 8 tokens on AVX512-BF16); 0.1% of slack absorbs that and nothing more.
+    q is rounded after every stage by the reference, once by ours: ours wins there by over 10%."""
+    ours_error, staged_error = ((t.double() - fp64).abs() for t in (ours, staged))
+    assert ours_error.mean() <= 1.001 * staged_error.mean(), (ours_error.mean(), staged_error.mean())
+    assert ours_error.max() <= 2 * staged_error.max(), (ours_error.max(), staged_error.max())
+
+
 def assert_matches_per_stage_reference(outputs, tokens, seed=0):
     """Within bf16 tolerance (atol = rtol = 1e-2, on values scaled to a max of 1) of SGLang's per-stage
-    reference, and no less accurate than it against fp64: a smaller mean error, and a largest error at
-    most twice its own (DESIGN.md). Unscaled, values reach 14 here, where one bf16 ulp is 0.0625: two
+    reference, and no less accurate than it against fp64. Unscaled, values reach 14 here, where one bf16 ulp is 0.0625: two
     correct kernels that round at different stages differ by that much (ours rounds q once after the
     A-projection's norm and once at the end, the reference after every stage)."""
     q_input, k_input, v_input = outputs
@@ -71,9 +81,7 @@ def assert_matches_per_stage_reference(outputs, tokens, seed=0):
     for ours, staged, fp64 in zip((q_input, k_input), per_stage, exact):
         scale = fp64.abs().max().item()
         torch.testing.assert_close(ours.double() / scale, staged.double() / scale, atol=1e-2, rtol=1e-2)
-        ours_error, staged_error = ((t.double() - fp64).abs() for t in (ours, staged))
-        assert ours_error.mean() <= staged_error.mean(), (ours_error.mean(), staged_error.mean())
-        assert ours_error.max() <= 2 * staged_error.max(), (ours_error.max(), staged_error.max())
+        assert_no_less_accurate(ours, staged, fp64)
     assert v_input.shape == (tokens, 1, LATENT) and v_input.data_ptr() == k_input.data_ptr(), "v is k's view"
 
 
@@ -127,7 +135,7 @@ def assert_matches_quantized_reference(outputs, kind, tokens, seed=0):
     only at its one token: q_a is quantized again per token before q_b, and where ours and the per-stage
     q_a differ by a bf16 ulp, an element near a rounding boundary lands one int8 level apart (measured
     up to 0.013 at 8 tokens). Against fp64 on the same quantized weights and quantized activations, ours
-    is the more accurate: a smaller mean error, and a largest error at most twice the reference's."""
+    is no less accurate."""
     hidden, positions = inputs(tokens, seed)
     w, scales, flags = quantized_weights(kind)
     args = (hidden, w["q_a_proj_weight"], w["q_b_proj_weight"], w["kv_a_proj_weight"], w["w_kc"],
@@ -138,9 +146,7 @@ def assert_matches_quantized_reference(outputs, kind, tokens, seed=0):
     for ours, staged, fp64, tol in zip(outputs[:2], per_stage, exact, (1e-1 if kind == "fp8" else 2e-2, 1e-2)):
         scale = fp64.abs().max().item()
         torch.testing.assert_close(ours.double() / scale, staged.double() / scale, atol=tol, rtol=tol)
-        ours_error, staged_error = ((t.double() - fp64).abs() for t in (ours, staged))
-        assert ours_error.mean() <= staged_error.mean(), (ours_error.mean(), staged_error.mean())
-        assert ours_error.max() <= 2 * staged_error.max(), (ours_error.max(), staged_error.max())
+        assert_no_less_accurate(ours, staged, fp64)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

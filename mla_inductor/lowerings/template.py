@@ -12,6 +12,7 @@ import functools
 import math
 import mmap
 import pathlib
+import weakref
 
 import torch._inductor.lowering  # noqa: F401  (first: see above)
 
@@ -48,8 +49,25 @@ def realize_input(t, contiguous: bool = False) -> Optional[ir.IRNode]:
         size, stride = t.get_size(), t.get_stride()
         sizevars = V.graph.sizevars
         if size and not (sizevars.statically_known_equals(stride[-1], 1) or sizevars.statically_known_equals(size[-1], 1)):
-            return ir.ExternKernel.require_contiguous(t)
+            return _contiguous_copy(t)
     return ir.ExternKernel.require_stride1(t)  # a flexible layout becomes contiguous: dense in the last dim
+
+
+_contiguous_copies: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _contiguous_copy(view: ir.IRNode) -> ir.IRNode:
+    """One contiguous copy per graph of a strided view that templates read (the SGLang-layout W_kc
+    transposed, say), however many templates read it. Two copies of one view land in one horizontally
+    fused loop, and there torch 2.13's CPU codegen repeats its 32 x 32 bf16 `transpose_mxn` into the
+    same tile, which GCC 12 at -O3 miscompiles for AVX-512: garbage in about half the elements
+    (tests/test_qkv_proj_with_rope.py's two chains sharing a W_kc found it; -O1 is right)."""
+    layout = view.get_layout()
+    key = (view.get_name(), view.get_dtype(), tuple(view.get_size()), tuple(layout.stride), layout.offset)
+    copies = _contiguous_copies.setdefault(V.graph, {})
+    if key not in copies or view.get_name() in V.graph.mutated_buffers:  # a mutated view is copied anew
+        copies[key] = ir.ExternKernel.require_contiguous(view)
+    return copies[key]
 
 
 def row_scale_strides(kernel, scale: ir.IRNode, rows_dims: int) -> tuple[list, list]:
