@@ -92,9 +92,9 @@ def main():
     args = p.parse_args()
     benchmarking.fresh_compiles()
     frozen = {fmt: benchmarking.frozen_options() for fmt in FORMATS}
-    # torch 2.13's concat-linear folds the six layers' int8 weight-only mm's into one and splits it
-    # wrongly (a [1, 1152] slice meets the q norm of 1536: an error at compile), so stock runs those frozen
-    # without it; it is off already where bf16 GEMMs are not native (isa.concat_linear_is_slow)
+    # torch 2.13's concat-linear folds the layers' int8 weight-only mm's (six, by default) into one and
+    # splits it wrongly (a [1, 1152] slice meets the q norm of 1536: an error at compile), so stock runs
+    # those frozen without it; it is off already where bf16 GEMMs are not native (isa.concat_linear_is_slow)
     frozen["int8"]["cpp.enable_concat_linear"] = False
     models = {(fmt, fused): Stack(args.layers, fmt, fused).eval() for fmt in FORMATS for fused in (False, True)}
     weight_bytes = {fmt: sum(b.numel() * b.element_size() for n, b in models[fmt, True].named_buffers()
