@@ -62,8 +62,7 @@ def _contiguous_copy(view: ir.IRNode) -> ir.IRNode:
     fused loop, and there torch 2.13's CPU codegen repeats its 32 x 32 bf16 `transpose_mxn` into the
     same tile, which GCC 12 at -O3 miscompiles for AVX-512: garbage in about half the elements
     (tests/test_qkv_proj_with_rope.py's two chains sharing a W_kc found it; -O1 is right)."""
-    layout = view.get_layout()
-    key = (view.get_name(), view.get_dtype(), tuple(view.get_size()), tuple(layout.stride), layout.offset)
+    key = (view.get_name(), tuple(view.get_size()), tuple(view.get_stride()), view.get_layout().offset)
     copies = _contiguous_copies.setdefault(V.graph, {})
     if key not in copies or view.get_name() in V.graph.mutated_buffers:  # a mutated view is copied anew
         copies[key] = ir.ExternKernel.require_contiguous(view)
