@@ -346,6 +346,28 @@ def fp8_cache(cache, dtype, per_row):
     return quantized, scale, quantized.float() * scale
 
 
+def test_fp8_rows_are_read_exactly_for_every_finite_value():
+    """Every finite value of both fp8 formats in one latent row, attended alone by 8 heads (on an AMX
+    CPU: the tile path, which converts the row to bf16 by table lookup; elsewhere the widening): the
+    output is that row, exactly. (NaN and infinity cannot be keys here: their scores would be NaN.)"""
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, e4m3, e5m2, tables, lens: (op(q, e4m3, tables, lens, LORA, 0.1),
+                                                            op(q, e5m2, tables, lens, LORA, 0.1)),
+                       backend="mla_inductor", dynamic=False)
+    caches, expected = [], []
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        values = torch.arange(256, dtype=torch.uint8).view(dtype)
+        finite = values[torch.isfinite(values.float())]
+        cache = torch.zeros(1, 16, LORA + ROPE, dtype=dtype)
+        cache[0, 0, :finite.numel()] = finite
+        caches.append(cache)
+        expected.append(cache[0, 0, :LORA].float().expand(1, 8, LORA))
+    q = torch.zeros(1, 8, LORA + ROPE, dtype=torch.bfloat16)
+    outs = fn(q, *caches, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]))
+    for out, exact in zip(outs, expected):
+        torch.testing.assert_close(out.float(), exact, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("cache_dtype, per_row", [(torch.float8_e4m3fn, True), (torch.float8_e4m3fn, False),
                                                   (torch.float8_e5m2, False)])
 def test_fp8_cache_reads_its_values_eager_and_compiled(cache_dtype, per_row):

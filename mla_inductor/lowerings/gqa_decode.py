@@ -28,7 +28,7 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
         self.sliding_window, self.window_block = sliding_window, window_block
 
     def headers(self) -> tuple[str, ...]:
-        return ("widen.h", "latent_attention.h")
+        return ("widen.h", "amx_tiles.h", "latent_attention.h")
 
     def options(self, kernel) -> dict:
         q, k, v, mask = (self.inputs[name] for name in ("Q", "K", "V", "MASK"))

@@ -28,7 +28,7 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
         self.scale, self.softcap = scale, softcap
 
     def headers(self) -> tuple[str, ...]:
-        return ("widen.h", "latent_attention.h")
+        return ("widen.h", "amx_tiles.h", "latent_attention.h")
 
     def options(self, kernel) -> dict:
         q, kv, tables, seq_lens, w_vc, mask = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC", "MASK"))

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -722,6 +723,233 @@ inline void prefetch_block_rows(const BlockRows<T, IndexT>& rows, int i0, int co
     if (const T* row = row_or_next(rows, i, n, n_next)) prefetch_rows_to_l2(&row, 1, bytes);
 }
 
+// Whether attend_split runs on AMX tiles (amx_tiles.h): a bf16 query over a bf16 or fp8 cache, at least
+// kAmxMinHeads heads, and values of whole 32-column chunks (P.V's column tiles). With fewer heads a
+// row's products are too few to fill the tiles: a grouped-query group of 4 is bound by the cache read
+// on the vector kernels already.
+constexpr int kAmxMinHeads = 8;
+template <typename T, typename C, int H, int64_t L>
+constexpr bool use_amx_kernels() {
+#if defined(MLA_INDUCTOR_AMX)
+  return std::is_same_v<T, c10::BFloat16> &&
+         (std::is_same_v<C, T> || std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>) &&
+         H >= kAmxMinHeads && L % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// What a template calls once, before its parallel region: the AMX path asks Linux for the tile state
+// (an error must not be raised inside the region).
+template <typename T, typename C, int H, int64_t L>
+inline void prepare_attention() {
+#if defined(MLA_INDUCTOR_AMX)
+  if constexpr (use_amx_kernels<T, C, H, L>()) require_amx_permission();
+#endif
+}
+
+#if defined(MLA_INDUCTOR_AMX)
+// One task's operands on AMX tiles, in its thread's scratch. Heads are padded to whole tiles of 16
+// (kHeads), key columns to whole 32-column steps (kColumns); the padding is zeros.
+//   scores: S^T = K . Q^T per row tile of 16 rows: A = the rows converted to bf16, B = the query in
+//           VNNI pairs, packed once per task; C = 16 rows x 16 heads, two head groups at a time.
+//   P.V:    O += P . V per head group: A = p (16 heads x 32 rows, four tiles for a block of 128 rows,
+//           resident while the group's column tiles pass), B = value rows interleaved in pairs, C = 16
+//           heads x 16 columns of o, loaded and stored per block.
+// Tiles: scores 0-1 (C), 2 (A), 3-4 (B); P.V 0 (C), 2-5 (A), 1, 6, 7 (B). (Twice the independent
+// accumulators, two row tiles at a time in the scores and two column tiles in P.V, measured the same.)
+template <int H, int64_t D, int64_t L>
+struct AmxTask {
+  static_assert(kKvBlock == 128, "P.V keeps a block's four 32-row steps of p in tiles 2-5");
+  static constexpr int kGroups = (H + 15) / 16;
+  static constexpr int kHeads = 16 * kGroups;
+  static constexpr int kSteps = (D + 31) / 32;
+  static constexpr int64_t kColumns = 32 * kSteps;
+  c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][16 heads][2]
+  c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
+  c10::BFloat16* values;  // [kKvBlock / 2][2 L]: the block's value rows, pairs interleaved
+  c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
+  float* scores;          // [16][kHeads]: one row tile's scores
+  c10::BFloat16* p;       // [kHeads][kKvBlock]
+  float* o;               // [kHeads][L], columns as interleave_rows leaves them
+
+  AmxTask(const c10::BFloat16* query, int64_t ldq) {
+    constexpr int64_t q_elems = kGroups * kSteps * 512, keys_elems = 16 * kColumns, values_elems = kKvBlock * L;
+    constexpr int64_t bf16_elems = q_elems + keys_elems + values_elems + 2 * L + kHeads * kKvBlock;
+    float* scratch = thread_scratch(bf16_elems / 2 + 16 * kHeads + kHeads * L);
+    o = scratch;
+    scores = o + kHeads * L;
+    q = reinterpret_cast<c10::BFloat16*>(scores + 16 * kHeads);
+    keys = q + q_elems;
+    values = keys + keys_elems;
+    pair = values + values_elems;
+    p = pair + 2 * L;
+    std::memset(q, 0, q_elems * sizeof(c10::BFloat16));
+    for (int h = 0; h < H; ++h)
+      for (int64_t k = 0; k < D; ++k)
+        q[((h / 16) * kSteps + k / 32) * 512 + (k % 32) / 2 * 32 + (h % 16) * 2 + k % 2] = query[h * ldq + k];
+    std::memset(p, 0, kHeads * kKvBlock * sizeof(c10::BFloat16));
+  }
+};
+
+// Row i of a row tile is at or past the block's n rows: zeros (a zero times a zero probability adds
+// nothing; stale rows might hold NaN, and NaN times zero does not).
+template <typename C>
+inline const C* row_or_zeros(const C* const* rows, int i, int n, const C* zeros) {
+  return i < n ? rows[i] : zeros;
+}
+
+// Rows [n0, n0 + 16) of the block in bf16: the keys as the A operand of the scores, and the values as
+// pairs interleaved for the P.V of the block (latent rows: the keys' first L columns, read back from
+// L1). (Tile loads straight from a bf16 cache's rows, where 16 are consecutive, measured 1.6x slower
+// than this copy: a tile load from L2 waits on every line.)
+template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
+inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n0, int n,
+                              const C* zeros) {
+  constexpr int64_t D = D1 + D2, kColumns = AmxTask<H, D, L>::kColumns;
+  for (int i = 0; i < 16; i += 2) {
+    c10::BFloat16* k0 = t.keys + i * kColumns;
+    c10::BFloat16* k1 = k0 + kColumns;
+    const C* key0 = row_or_zeros(b.key.rows, n0 + i, n, zeros);
+    const C* key1 = row_or_zeros(b.key.rows, n0 + i + 1, n, zeros);
+    row_to_bf16(key0, D1, k0);
+    row_to_bf16(key1, D1, k1);
+    if constexpr (D2 > 0) {
+      row_to_bf16(row_or_zeros(b.rope.rows, n0 + i, n, zeros), D2, k0 + D1);
+      row_to_bf16(row_or_zeros(b.rope.rows, n0 + i + 1, n, zeros), D2, k1 + D1);
+    }
+    std::fill(k0 + D, k0 + kColumns, c10::BFloat16(0.f));
+    std::fill(k1 + D, k1 + kColumns, c10::BFloat16(0.f));
+    const c10::BFloat16* v0 = k0;
+    const c10::BFloat16* v1 = k1;
+    if (b.own_values) {
+      row_to_bf16(row_or_zeros(b.value.rows, n0 + i, n, zeros), L, t.pair);
+      row_to_bf16(row_or_zeros(b.value.rows, n0 + i + 1, n, zeros), L, t.pair + L);
+      v0 = t.pair;
+      v1 = t.pair + L;
+    }
+    interleave_rows(v0, v1, L, t.values + (n0 + i) * L);
+  }
+}
+
+// The rows of a row tile ahead, prefetched into L2 a few lines at a time over the steps of the score
+// tiles (the cache is the one stream from memory; asking for all of a tile's lines at once stalled on
+// the miss buffers, a fifth of the kernel's time).
+struct TilePrefetch {
+  const char* rows[16];
+  int count = 0;
+  int64_t lines = 0;
+
+  template <typename C, typename IndexT>
+  TilePrefetch(const BlockRows<C, IndexT>& block, int i0, int n, int n_next, int64_t bytes) : lines((bytes + 63) / 64) {
+    for (; count < 16; ++count) {
+      const C* row = row_or_next(block, i0 + count, n, n_next);
+      if (row == nullptr) break;
+      rows[count] = reinterpret_cast<const char*>(row);
+    }
+  }
+  __attribute__((always_inline)) void step(int step, int steps) const {
+    const int64_t first = step * lines / steps, last = (step + 1) * lines / steps;
+    for (int i = 0; i < count; ++i)
+      for (int64_t line = first; line < last; ++line) _mm_prefetch(rows[i] + 64 * line, _MM_HINT_T1);
+  }
+};
+
+// Scores s [H, kKvBlock] of the block's n rows; also packs the block's value rows for block_pv_amx.
+template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
+inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n, int n_next,
+                             float scale, const C* zeros, float* s) {
+  using Task = AmxTask<H, D1 + D2, L>;
+  for (int n0 = 0; n0 < n; n0 += 16) {
+    pack_row_tile_amx<H, D1, D2, L>(t, b, n0, n, zeros);
+    const TilePrefetch keys_ahead(b.key, n0 + 32, n, n_next, D1 * int64_t(sizeof(C)));
+    const TilePrefetch rope_ahead(b.rope, n0 + 32, D2 > 0 ? n : 0, D2 > 0 ? n_next : 0, D2 * int64_t(sizeof(C)));
+    const TilePrefetch values_ahead(b.value, n0 + 32, b.own_values ? n : 0, b.own_values ? n_next : 0,
+                                    L * int64_t(sizeof(C)));
+    for (int g = 0; g < Task::kGroups; g += 2) {
+      const bool two = g + 1 < Task::kGroups;
+      const c10::BFloat16* qg = t.q + g * Task::kSteps * 512;
+      _tile_zero(0);
+      if (two) _tile_zero(1);
+      for (int ks = 0; ks < Task::kSteps; ++ks) {
+        if (g == 0) {  // the rows two tiles ahead
+          keys_ahead.step(ks, Task::kSteps);
+          rope_ahead.step(ks, Task::kSteps);
+          values_ahead.step(ks, Task::kSteps);
+        }
+        _tile_loadd(2, t.keys + ks * 32, Task::kColumns * 2);
+        _tile_loadd(3, qg + ks * 512, 64);
+        _tile_dpbf16ps(0, 2, 3);
+        if (two) {
+          _tile_loadd(4, qg + (Task::kSteps + ks) * 512, 64);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+      }
+      _tile_stored(0, t.scores + g * 16, Task::kHeads * 4);
+      if (two) _tile_stored(1, t.scores + (g + 1) * 16, Task::kHeads * 4);
+    }
+    const int rows = std::min(16, n - n0);
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < rows; ++i) s[h * kKvBlock + n0 + i] = scale * t.scores[i * Task::kHeads + h];
+  }
+  // past the last row tile the block's value pairs are zeros (p is zero there too; 0 x NaN is not)
+  const int packed = (n + 15) / 16 * 16;
+  std::memset(t.values + packed * L, 0, (kKvBlock - packed) * L * sizeof(c10::BFloat16));
+}
+
+// p's columns past the block's n rows (softmax_step wrote them up to an even count) are zeros, and an
+// fp8 cache's value scales weigh them (l sums the unscaled ones, as on the vector path).
+template <int H, int64_t D, int64_t L>
+inline void finish_probabilities_amx(AmxTask<H, D, L>& t, int n, const float* value_scale) {
+  for (int h = 0; h < H; ++h) {
+    c10::BFloat16* row = t.p + h * kKvBlock;
+    if (value_scale != nullptr)
+      for (int j = 0; j < n; ++j) row[j] = c10::BFloat16(static_cast<float>(row[j]) * value_scale[j]);
+    std::fill(row + n, row + kKvBlock, c10::BFloat16(0.f));
+  }
+}
+
+// o = alpha * o + p . V (alpha = nullptr: o = p . V) over the block.
+template <int H, int64_t D, int64_t L>
+inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
+  using Task = AmxTask<H, D, L>;
+  using Vec = at::vec::Vectorized<float>;
+  if (alpha != nullptr) {
+    for (int h = 0; h < H; ++h) {
+      if (alpha[h] == 1.f) continue;  // the common case once the running max has settled
+      float* row = t.o + h * L;
+      for (int64_t c = 0; c < L; c += Vec::size()) (Vec::loadu(row + c) * Vec(alpha[h])).store(row + c);
+    }
+  }
+  constexpr int64_t kPairRowBytes = 4 * L;  // one interleaved pair of value rows
+  for (int g = 0; g < Task::kGroups; ++g) {
+    const c10::BFloat16* pg = t.p + g * 16 * kKvBlock;
+    _tile_loadd(2, pg, kKvBlock * 2);
+    _tile_loadd(3, pg + 32, kKvBlock * 2);
+    _tile_loadd(4, pg + 64, kKvBlock * 2);
+    _tile_loadd(5, pg + 96, kKvBlock * 2);
+    for (int64_t ct = 0; ct < L / 16; ++ct) {
+      float* o = t.o + g * 16 * L + ct * 16;
+      const char* v = reinterpret_cast<const char*>(t.values + ct * 32);
+      if (alpha == nullptr) {
+        _tile_zero(0);
+      } else {
+        _tile_loadd(0, o, L * 4);
+      }
+      _tile_loadd(1, v, kPairRowBytes);
+      _tile_loadd(6, v + 16 * kPairRowBytes, kPairRowBytes);
+      _tile_dpbf16ps(0, 2, 1);
+      _tile_loadd(7, v + 32 * kPairRowBytes, kPairRowBytes);
+      _tile_dpbf16ps(0, 3, 6);
+      _tile_loadd(1, v + 48 * kPairRowBytes, kPairRowBytes);
+      _tile_dpbf16ps(0, 4, 7);
+      _tile_dpbf16ps(0, 5, 1);
+      _tile_stored(0, o, L * 4);
+    }
+  }
+}
+#endif
+
 // qk_tile_fp32 for the first head tile of a row tile: it reads the rows from the cache (K_n = key[n] |
 // rope[n]), widens them in registers and, if STORE, also stores them, widened, at k[n] (rows D1 + D2
 // apart), where the other head tiles and the P.V pass read them. Each row is converted once per step;
@@ -864,12 +1092,15 @@ inline void block_pv_fp32(const float* p, Rows values, int n, const float* alpha
 template <typename T, typename C, typename IndexT, int H, int64_t D1, int64_t D2, int64_t L, typename MaskT = bool>
 inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& request, int64_t j0, int64_t j1,
                          float scale, float softcap, const MaskT* mask, const C* zero_row, SoftmaxState& st) {
-  constexpr bool kBf16 = use_bf16_kernels<T, C>(L);
-  constexpr bool kDirect = !kBf16 && widens_from_cache(H);
-  using ProbT = std::conditional_t<kBf16, c10::BFloat16, float>;
+  constexpr bool kAmx = use_amx_kernels<T, C, H, L>();
+  constexpr bool kBf16 = !kAmx && use_bf16_kernels<T, C>(L);
+  constexpr bool kVector = !kAmx && !kBf16;  // the portable fp32 kernels
+  constexpr bool kDirect = kVector && widens_from_cache(H);
+  using ProbT = std::conditional_t<kVector, float, c10::BFloat16>;
   constexpr int64_t D = D1 + D2;
   alignas(64) float s[H * kKvBlock];
-  alignas(64) ProbT p[H * kKvBlock];
+  alignas(64) ProbT p_block[kAmx ? 1 : H * kKvBlock];
+  ProbT* p = p_block;
   alignas(64) float row_scale[kKvBlock];
   float alpha[H];
   RequestBlocks<C, IndexT, D2> b{{request.key, request.key_stride}, {request.rope, D2},
@@ -883,7 +1114,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
   float* qf = nullptr;
   float* keys = nullptr;
   float* values = nullptr;
-  if constexpr (!kBf16) {
+  if constexpr (kVector) {
     qf = thread_scratch(H * D + (kDirect ? 0 : kKvBlock * D + (b.own_values ? kKvBlock * L : 0)));
     keys = qf + H * D;
     values = keys + kKvBlock * D;
@@ -895,6 +1126,14 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       }
     }
   }
+#if defined(MLA_INDUCTOR_AMX)
+  std::optional<AmxTask<H, D, L>> amx;
+  if constexpr (kAmx) {
+    amx.emplace(q, ldq);
+    p = amx->p;
+    configure_tiles();
+  }
+#endif
   bool first = true;  // o is written, not rescaled, by the first block that is not skipped
   gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
   for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
@@ -910,32 +1149,40 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       if (excludes_all(bias, n)) continue;
     }
 
-    if constexpr (kBf16) {
+    // the keys of an fp8 cache come widened times kWidenedScale<C>; merge_splits undoes it on the values
+    if constexpr (kAmx) {
+#if defined(MLA_INDUCTOR_AMX)
+      block_scores_amx<H, D1, D2, L>(*amx, b, n, n_next, scale / kWidenedScale<C>, zero_row, s);
+#endif
+    } else if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
       block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
 #endif
     } else {
-      // the keys come widened times kWidenedScale<C>; merge_splits undoes it on the values
       block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
-      // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
-      // and on the probabilities that weigh the value rows (l sums the unscaled ones).
-      if (request.key_scale.data != nullptr) {
-        gather_scales(request.key_scale, request.block_size, request.table, jb, n, row_scale);
-        scale_rows(s, H, n, row_scale);
-      }
+    }
+    // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
+    // and on the probabilities that weigh the value rows (l sums the unscaled ones).
+    if (request.key_scale.data != nullptr) {
+      gather_scales(request.key_scale, request.block_size, request.table, jb, n, row_scale);
+      scale_rows(s, H, n, row_scale);
     }
 
     softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
-    if constexpr (!kBf16) {
-      if (request.value_scale.data != nullptr) {
-        gather_scales(request.value_scale, request.block_size, request.table, jb, n, row_scale);
-        scale_rows(p, H, n, row_scale);
-      }
+    const bool value_scales = request.value_scale.data != nullptr;
+    if (value_scales) gather_scales(request.value_scale, request.block_size, request.table, jb, n, row_scale);
+    if constexpr (kVector) {
+      if (value_scales) scale_rows(p, H, n, row_scale);
     }
 
     // o = alpha * o + p . V (o = p . V on the first block).
-    if constexpr (kBf16) {
+    if constexpr (kAmx) {
+#if defined(MLA_INDUCTOR_AMX)
+      finish_probabilities_amx(*amx, n, value_scales ? row_scale : nullptr);
+      block_pv_amx(*amx, first ? nullptr : alpha);
+#endif
+    } else if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
       block_pv_bf16<H, L>(p, b, n, first ? nullptr : alpha, st);
 #endif
@@ -949,16 +1196,22 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
     }
     first = false;
   }
+#if defined(MLA_INDUCTOR_AMX)
+  if constexpr (kAmx) {
+    _tile_release();
+    if (!first) std::copy(amx->o, amx->o + H * L, st.o);
+  }
+#endif
 }
 
-// latent = stored with its columns in natural order: the bf16 P.V kernel stores them permuted in runs of
-// four (paired_column), which move as one 16-byte copy (a scalar loop over the columns cost 1.5% of a
+// latent = stored with its columns in natural order: the bf16 and AMX P.V kernels store them permuted in
+// runs of four (paired_column), which move as one 16-byte copy (a scalar loop over the columns cost 1.5% of a
 // 4096-row step and most of a short one); the portable one, reading bf16 rows in pairs, swaps two runs
 // of four in every sixteen (pair_columns).
 template <typename T, typename C, int H, int64_t L>
 inline void restore_column_order(const float* stored, float* latent) {
 #if defined(__AVX512BF16__)
-  if constexpr (use_bf16_kernels<T, C>(L)) {
+  if constexpr (use_bf16_kernels<T, C>(L) || use_amx_kernels<T, C, H, L>()) {
     for (int64_t i = 0; i < L; i += 4) {
       const int64_t column = (i & ~int64_t(31)) + paired_column(static_cast<int>(i & 31));
       std::memcpy(latent + column, stored + i, 4 * sizeof(float));

@@ -1,0 +1,136 @@
+// AMX tiles (Sapphire Rapids and newer Xeons) for decode attention with many query heads per cache
+// row: the building blocks that latent_attention.h's AMX path is made of.
+//
+// Why: with 16 or more heads per row (MLA's latent attention), a decode step does ~40 FLOPs per cache
+// byte, which two cores' AVX-512 tiles (dpbf16 or fp32 FMAs, ~150 GFLOP/s) cannot keep up with: the step
+// is compute-bound at a sixth of what the memory could feed. `_tile_dpbf16ps` multiplies 16 x 32 bf16 by
+// 32 x 16 bf16 in one instruction (16x a dpbf16 vector op), which makes the step bound by the cache read
+// again, and lets an fp8 cache's halved bytes pay.
+//
+// MLA_INDUCTOR_AMX is defined where the C++ is compiled for such a CPU (-march=native on one, or
+// cpp.march = sapphirerapids); every such CPU also has AVX512-VBMI, which the fp8 conversion uses.
+#pragma once
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define MLA_INDUCTOR_AMX 1
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace mla_inductor {
+
+// Linux grants a process AMX's tile data state on request only (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, Linux 5.16+); a tile instruction before that faults. Asked once per process.
+inline void require_amx_permission() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  TORCH_CHECK(granted, "mla_inductor: Linux refused this process the AMX tile state (arch_prctl "
+              "ARCH_REQ_XCOMP_PERM), which this kernel was compiled for; compile for a target without AMX "
+              "(torch._inductor.config.cpp.march, e.g. \"cooperlake\").");
+}
+
+// Every tile the kernels use has one shape: 16 rows of 64 bytes (16 x 32 bf16 as an A or B operand,
+// 16 x 16 fp32 as an accumulator), so one configuration serves them all. A thread's configuration is
+// its own and other kernels (oneDNN's) change it: load it at the start of every task.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+// fp8 -> bf16 by table: the 128 magnitudes' bf16 bits (times kWidenedScale<C>, as load_floats widens
+// them, so that the kernels' scale bookkeeping is the same on every path), low and high bytes in two
+// 128-byte tables that two vpermi2b look up 64 values at a time. Exact for every value: an fp8 has at
+// most 3 mantissa bits and its exponents are within bf16's; NaN and infinity map to themselves. The
+// fp16 route of the FMA kernels (unpack, vcvtph2ps, then vcvtne2ps2bf16) takes three times the ops.
+template <typename C>
+struct Fp8Bf16Table {
+  __m512i lo[2], hi[2];
+  Fp8Bf16Table() {
+    alignas(64) uint8_t lo_bytes[128], hi_bytes[128];
+    for (int i = 0; i < 128; ++i) {
+      const float value = static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits())) * kWidenedScale<C>;
+      const uint16_t bits = c10::BFloat16(value).x;
+      lo_bytes[i] = bits & 0xff;
+      hi_bytes[i] = bits >> 8;
+    }
+    for (int t = 0; t < 2; ++t) {
+      lo[t] = _mm512_load_si512(lo_bytes + 64 * t);
+      hi[t] = _mm512_load_si512(hi_bytes + 64 * t);
+    }
+  }
+};
+
+template <typename C>
+inline const Fp8Bf16Table<C>& fp8_bf16_table() {
+  static const Fp8Bf16Table<C> table;
+  return table;
+}
+
+// dst[0, count) = src[0, count) in bf16, in order, count <= 64. vpermi2b ignores an index's top bit,
+// so the byte itself indexes the magnitude tables and the sign is or-ed in after. unpack{lo,hi}_epi8
+// interleave bytes within 128-bit lanes: the qword shuffle first puts values 8l..8l+7 and 32+8l..32+8l+7
+// in lane l, so that the two unpacks come out in order.
+template <typename C>
+__attribute__((always_inline)) inline void fp8_to_bf16x64(const C* src, c10::BFloat16* dst, const Fp8Bf16Table<C>& t,
+                                                          int count = 64) {
+  const __m512i raw = count == 64 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8((1ull << count) - 1, src);
+  const __m512i x = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], x, t.lo[1]);
+  const __m512i magnitude = _mm512_permutex2var_epi8(t.hi[0], x, t.hi[1]);
+  const __m512i hi = _mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi8(char(0x80)), 0xF8);  // a | (b & c)
+  if (count == 64) {
+    _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
+    _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
+    return;
+  }
+  const auto first_lanes = [](int k) { return __mmask32(k >= 32 ? ~0u : (1u << k) - 1); };
+  _mm512_mask_storeu_epi16(dst, first_lanes(count), _mm512_unpacklo_epi8(lo, hi));
+  if (count > 32) _mm512_mask_storeu_epi16(dst + 32, first_lanes(count - 32), _mm512_unpackhi_epi8(lo, hi));
+}
+
+// dst[0, n) = src[0, n) in bf16: a copy, or fp8 converted.
+template <typename C>
+__attribute__((always_inline)) inline void row_to_bf16(const C* src, int64_t n, c10::BFloat16* dst) {
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    std::memcpy(dst, src, n * sizeof(C));
+  } else {
+    const Fp8Bf16Table<C>& table = fp8_bf16_table<C>();
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) fp8_to_bf16x64(src + i, dst + i, table);
+    if (i < n) fp8_to_bf16x64(src + i, dst + i, table, static_cast<int>(n - i));
+  }
+}
+
+// dst[0, 2n) = rows a and b (n bf16 columns each, n a multiple of 32) interleaved in pairs, the layout
+// of a B operand over rows: dst[2c + e] = (e ? b : a)[c'] with c' = paired_column's permutation within
+// each 32 columns (unpack{lo,hi}_epi16 work within 128-bit lanes; the P.V output is put back in order
+// when the splits are merged, restore_column_order).
+inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, c10::BFloat16* dst) {
+  for (int64_t c = 0; c < n; c += 32) {
+    const __m512i ra = _mm512_loadu_si512(a + c), rb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(ra, rb));
+    _mm512_storeu_si512(dst + 2 * c + 32, _mm512_unpackhi_epi16(ra, rb));
+  }
+}
+
+}  // namespace mla_inductor
+#endif
