@@ -25,3 +25,15 @@ def _fresh_counts():
 
     mla_inductor.reset_counts()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _projection_rows_as_on_every_cpu(request, monkeypatch):
+    """The pattern tests match prefill-sized graphs (8-64 rows), which fire on every CPU but one with
+    AMX, where the cost model leaves plain projections above MAX_ROWS_AMX rows to oneDNN's AMX GEMMs
+    (lowerings/segment_gemm.py). Lifted here so that they test the same matching on every CPU; tests
+    marked amx_row_limit test the limit itself."""
+    if request.node.get_closest_marker("amx_row_limit") is None:
+        from mla_inductor.lowerings import segment_gemm
+
+        monkeypatch.setattr(segment_gemm, "MAX_ROWS_AMX", 2**31)

@@ -11,6 +11,7 @@ from torch._inductor.utils import run_and_get_code
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, PerGroup, quantize_
 
 import mla_inductor
+from mla_inductor import isa
 from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
@@ -131,6 +132,21 @@ def test_deepseek_prefill_graph_fuses_the_int8_a_projections_and_restores_the_ot
                 and n.args[1].target is torch.ops.prims.convert_element_type.default]
     assert len(restored) == 6 * config.num_layers + 1
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.amx_row_limit
+def test_on_an_amx_cpu_more_than_four_rows_go_to_onednn_unless_the_weights_are_int8_weight_only(
+        deepseek_int8, monkeypatch):
+    """Where oneDNN's GEMMs run on AMX tiles they win over the A-projection template above
+    segment_gemm.MAX_ROWS_AMX rows (prefill's 24 here); Inductor's int8 weight-only mm has no AMX
+    kernel, so int8 weights keep the template. Graphs only: the CPU is said to have AMX."""
+    monkeypatch.setattr(isa, "host_isa", lambda: "amx")
+    config, model, prompt = deepseek_int8
+    bf16 = build_hf_model(config, arch="v3", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for module, fires in ((model, config.num_layers), (bf16, 0)):
+            _, events = rewrite_and_run(lambda ids: module(input_ids=ids, use_cache=False).logits, prompt)
+            assert fired(events, "qkv_a_proj") == fires
 
 
 def static_cache_decode(model, prompt, steps, freezing=False):

@@ -27,6 +27,14 @@ AVX2_COLS = 16  # and without
 MAX_ROWS_PACKED = 8
 MAX_ROWS_FROZEN = 4
 MAX_ROWS_UNFROZEN = 64
+# Where the CPU has AMX, oneDNN runs bf16 GEMMs (and W8A8's _int_mm) on its tiles, and a projection
+# whose rows make it compute-bound for our dpbf16 / VNNI tiles goes to oneDNN's: on an AMX Xeon (2
+# cores, benchmarks/qkv_a.py, gqa_qkv.py and quantized_projections.py) the template wins at 2 and 4
+# rows (1.04-1.96x stock at its best) and loses at 8 (gqa_qkv 0.79-0.86x, bf16 0.79-0.81x, W8A8
+# 0.72-0.76x, fp8 0.58-0.64x). Two kinds keep winning at 8 rows and take the limits above: q_b_absorb
+# (1.35x: the absorption is what stock cannot fuse) and int8 weight-only weights (1.29-1.33x: stock's
+# _weight_int8pack_mm has no AMX kernel).
+MAX_ROWS_AMX = 4
 
 
 # nt_dot.h's tiles: a tile's weight rows must share their K-block scales (kTileCols rows), and a K
@@ -96,7 +104,11 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
 
 
-def template_wins(rows: int, dtype: torch.dtype) -> bool:
+def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False) -> bool:
+    """Whether a projection template over `rows` rows of `dtype` activations beats Inductor's own GEMM;
+    `amx_competes`: that GEMM runs on oneDNN's AMX tiles where the CPU has them (MAX_ROWS_AMX)."""
+    if amx_competes and isa.host_isa() == "amx" and rows > MAX_ROWS_AMX:
+        return False
     if dtype == torch.bfloat16 and not isa.native_bf16_gemm():
         # Without a native bf16 GEMM, Inductor's bf16 mm runs ATen's at ~12 GFLOP/s at every row count,
         # where the templates widen to fp32 FMAs: 33 GFLOP/s (NT tiles) and 47 (packed, frozen) at 16,

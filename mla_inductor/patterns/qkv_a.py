@@ -25,7 +25,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from .quantized_linear import decline_reason, row_split_reason
+from .quantized_linear import decline_reason, int8_weight_only, row_split_reason
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
@@ -195,7 +195,8 @@ def check(match: Match) -> Optional[str]:
     if mismatch:
         return mismatch
     rows = math.prod(size_hint(s) for s in x.shape[:-1])
-    if not template_wins(rows, x.dtype):
+    weights = {name: match.kwargs[name] for name in ("q_weight", "kv_weight", "weight") if name in match.kwargs}
+    if not template_wins(rows, x.dtype, amx_competes=not int8_weight_only(weights)):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     kv_eps = kw["kv_eps"]
     try:

@@ -507,6 +507,15 @@ def decline_reason(weights: dict[str, Node], per_channel_only: bool = False) -> 
     return None
 
 
+def int8_weight_only(weights: dict[str, Node]) -> bool:
+    """Whether these weight nodes are all int8 weights dequantized for bf16 activations (torchao's
+    Int8WeightOnlyConfig, per-channel int8 in model code): stock runs them as _weight_int8pack_mm."""
+    dequantized = [_dequantized(node) for node in weights.values()]
+    return bool(dequantized) and all(
+        node is not None and node.args[0].meta["val"].dtype == torch.int8 and _activation_quant(node) == "none"
+        for node in dequantized)
+
+
 def _activation_quant(dequantized: Node) -> str:
     return dequantized.meta.get(_ACTIVATION_QUANT, "none")
 
