@@ -10,7 +10,10 @@ rows (a StaticCache three quarters full): the roofline is the larger of those ro
 the copy bandwidth (the bytes any kernel must read) and the FLOPs over them at the GEMM throughput.
 Prints medians; asserts nothing.
 
-    python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096]
+    python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096] [--heads 32]
+
+--heads 64 or 128 gives groups of 8 or 16 query heads per key/value head (Llama-70B's is 8), which
+AMX CPUs run on tiles.
 """
 
 import argparse
@@ -23,7 +26,7 @@ from mla_inductor.ops.gqa_decode import packed_attention  # eager transformers' 
 # The pattern's search functions are the model code: repeat_kv, enable_gqa.
 from mla_inductor.patterns.gqa_decode import grouped, repeated
 
-HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+KV_HEADS, HEAD_DIM = 8, 128
 
 
 def main():
@@ -32,10 +35,11 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--heads", type=int, default=32, help="query heads, a multiple of the 8 key/value heads")
     args = p.parse_args()
     benchmarking.fresh_compiles()
     dtype = torch.bfloat16
-    q = torch.randn(args.batch, HEADS, 1, HEAD_DIM).to(dtype)
+    q = torch.randn(args.batch, args.heads, 1, HEAD_DIM).to(dtype)
     caches = [
         (torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype),
          torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype))
@@ -74,9 +78,9 @@ def main():
     bandwidth, throughput = copy_bytes / t["copy"], gemm_flops / t["gemm"]
     cache_bytes = 2 * args.layers * caches[0][0].numel() * caches[0][0].element_size()
     admitted_bytes = cache_bytes * admitted // args.context
-    flops = 2 * args.layers * args.batch * HEADS * admitted * 2 * HEAD_DIM  # q.K and p.V
+    flops = 2 * args.layers * args.batch * args.heads * admitted * 2 * HEAD_DIM  # q.K and p.V
     roofline = max(admitted_bytes / bandwidth, flops / throughput)
-    print(f"\n## B={args.batch}, {HEADS} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
+    print(f"\n## B={args.batch}, {args.heads} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
           f"({admitted} admitted by the mask), bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB "
           f"of K and V; fired {fired}/2; max |variant - eager packed| {error:.3g}; in the rounds copy "
           f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_name(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "

@@ -7,8 +7,8 @@ Two questions with different answers on a machine whose code is compiled for ano
   weights, or AVX2 ones) for the target, so a test can force the AVX2 path on an AVX-512 machine by
   setting `cpp.march` to an AVX2 target, and compile (not run) the AVX-512 path on an AVX2 one.
 
-The levels are ordered: each includes the ones before it ("amx" CPUs take the AVX512-BF16 kernels;
-AMX tiles themselves are not used yet: docs/isa.md says where they would pay).
+The levels are ordered: each includes the ones before it ("amx" CPUs take the AVX512-BF16 kernels,
+and decode attention with many heads per cached row runs on AMX tiles there: docs/isa.md).
 """
 
 from __future__ import annotations
