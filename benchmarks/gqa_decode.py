@@ -12,8 +12,8 @@ Prints medians; asserts nothing.
 
     python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096] [--heads 32]
 
---heads 64 or 128 gives groups of 8 or 16 query heads per key/value head (Llama-70B's is 8), which
-AMX CPUs run on tiles.
+--heads 64 or 128 gives groups of 8 or 16 query heads per key/value head (Llama-70B's is 8); AMX CPUs
+run groups of 16 on tiles.
 """
 
 import argparse

@@ -74,10 +74,10 @@ FP8_BLOCK = [8, 32]
 class Projections(nn.Module):
     """q_b_absorb on weights that freezing makes constants (bf16 packed in the target's layout; W8A8's
     int8 and fp8 blocks, the integer and the fp8 tiles), and latent decode attention over a paged cache,
-    bf16 and fp8, with 8 heads (the AMX tiles on an AMX target, the fp8 widening elsewhere), in one
+    bf16 and fp8, with 16 heads (the AMX tiles on an AMX target, the fp8 widening elsewhere), in one
     graph: one compile covers the kernels."""
 
-    def __init__(self, heads=8, nope=16, rope=8, latent=64, q_lora_rank=99):
+    def __init__(self, heads=16, nope=16, rope=8, latent=64, q_lora_rank=99):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         q_b_weight = (torch.randn(heads * (nope + rope), q_lora_rank, generator=g) * q_lora_rank**-0.5).bfloat16()

@@ -347,7 +347,7 @@ def fp8_cache(cache, dtype, per_row):
 
 
 def test_fp8_rows_are_read_exactly_for_every_finite_value():
-    """Every finite value of both fp8 formats in one latent row, attended alone by 8 heads (on an AMX
+    """Every finite value of both fp8 formats in one latent row, attended alone by 16 heads (on an AMX
     CPU: the tile path, which converts the row to bf16 by table lookup; elsewhere the widening): the
     output is that row, exactly. (NaN and infinity cannot be keys here: their scores would be NaN.)"""
     torch._dynamo.reset()
@@ -361,8 +361,8 @@ def test_fp8_rows_are_read_exactly_for_every_finite_value():
         cache = torch.zeros(1, 16, LORA + ROPE, dtype=dtype)
         cache[0, 0, :finite.numel()] = finite
         caches.append(cache)
-        expected.append(cache[0, 0, :LORA].float().expand(1, 8, LORA))
-    q = torch.zeros(1, 8, LORA + ROPE, dtype=torch.bfloat16)
+        expected.append(cache[0, 0, :LORA].float().expand(1, 16, LORA))
+    q = torch.zeros(1, 16, LORA + ROPE, dtype=torch.bfloat16)
     outs = fn(q, *caches, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1]))
     for out, exact in zip(outs, expected):
         torch.testing.assert_close(out.float(), exact, atol=0, rtol=0)
