@@ -291,10 +291,13 @@ def test_sglang_decode_cases_on_bf16_and_fp8_caches(dtype, cache_dtype):
         assert_sglang_close(out, q, k_ref, v_ref)
 
 
-def test_template_reads_an_fp8_cache_at_an_sglang_case():
-    """Per-token e4m3 scales, widths off the vector (the partial fp8 loads). One compile: the widening
-    of both formats is checked exactly below, and the template is mla_decode's (tested there too)."""
-    q, k, v, k_scale, v_scale, k_ref, v_ref = sglang_case(2, 32, 8, 33, 55, torch.bfloat16, E4M3)
+@pytest.mark.parametrize("case", [(2, 32, 8, 33, 55), (2, 32, 2, 64, 64)])
+def test_template_reads_an_fp8_cache_at_an_sglang_case(case):
+    """Per-token e4m3 scales: widths off the vector (the partial fp8 loads), and groups of 16 query
+    heads (on an AMX CPU the tiles, each value row converted to bf16 and its scale on the probabilities).
+    The widening of both formats is checked exactly below, and the template is mla_decode's (tested
+    there too)."""
+    q, k, v, k_scale, v_scale, k_ref, v_ref = sglang_case(*case, torch.bfloat16, E4M3)
     torch._dynamo.reset()
     fn = torch.compile(lambda *a: torch.ops.mla.gqa_decode_attention(*a[:3], k_scale=a[3], v_scale=a[4]),
                        backend="mla_inductor")

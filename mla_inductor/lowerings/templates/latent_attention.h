@@ -776,7 +776,7 @@ struct AmxTask {
   AmxTask(const c10::BFloat16* query, int64_t ldq) {
     constexpr int64_t q_elems = kGroups * kSteps * 512, keys_elems = 16 * kColumns, values_elems = kKvBlock * L;
     constexpr int64_t bf16_elems = q_elems + keys_elems + values_elems + 2 * L + kHeads * kKvBlock;
-    float* scratch = thread_scratch(bf16_elems / 2 + 16 * kHeads + kHeads * L);
+    float* scratch = thread_scratch((bf16_elems + 1) / 2 + 16 * kHeads + kHeads * L);
     o = scratch;
     scores = o + kHeads * L;
     q = reinterpret_cast<c10::BFloat16*>(scores + 16 * kHeads);
