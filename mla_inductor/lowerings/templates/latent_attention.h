@@ -792,8 +792,8 @@ struct AmxTask {
   }
 };
 
-// Row i of a row tile is at or past the block's n rows: zeros (a zero times a zero probability adds
-// nothing; stale rows might hold NaN, and NaN times zero does not).
+// Row i of the block, or zeros at or past its n rows (a zero row times a zero probability adds nothing;
+// a stale row might hold NaN, and NaN times zero is NaN).
 template <typename C>
 inline const C* row_or_zeros(const C* const* rows, int i, int n, const C* zeros) {
   return i < n ? rows[i] : zeros;
