@@ -807,28 +807,22 @@ template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
 inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n0, int n,
                               const C* zeros) {
   constexpr int64_t D = D1 + D2, kColumns = AmxTask<H, D, L>::kColumns;
+  for (int i = 0; i < 16; ++i) {
+    c10::BFloat16* key = t.keys + i * kColumns;
+    row_to_bf16(row_or_zeros(b.key.rows, n0 + i, n, zeros), D1, key);
+    if constexpr (D2 > 0) row_to_bf16(row_or_zeros(b.rope.rows, n0 + i, n, zeros), D2, key + D1);
+    std::fill(key + D, key + kColumns, c10::BFloat16(0.f));
+  }
   for (int i = 0; i < 16; i += 2) {
-    c10::BFloat16* k0 = t.keys + i * kColumns;
-    c10::BFloat16* k1 = k0 + kColumns;
-    const C* key0 = row_or_zeros(b.key.rows, n0 + i, n, zeros);
-    const C* key1 = row_or_zeros(b.key.rows, n0 + i + 1, n, zeros);
-    row_to_bf16(key0, D1, k0);
-    row_to_bf16(key1, D1, k1);
-    if constexpr (D2 > 0) {
-      row_to_bf16(row_or_zeros(b.rope.rows, n0 + i, n, zeros), D2, k0 + D1);
-      row_to_bf16(row_or_zeros(b.rope.rows, n0 + i + 1, n, zeros), D2, k1 + D1);
-    }
-    std::fill(k0 + D, k0 + kColumns, c10::BFloat16(0.f));
-    std::fill(k1 + D, k1 + kColumns, c10::BFloat16(0.f));
-    const c10::BFloat16* v0 = k0;
-    const c10::BFloat16* v1 = k1;
+    const c10::BFloat16* first = t.keys + i * kColumns;
+    const c10::BFloat16* second = first + kColumns;
     if (b.own_values) {
       row_to_bf16(row_or_zeros(b.value.rows, n0 + i, n, zeros), L, t.pair);
       row_to_bf16(row_or_zeros(b.value.rows, n0 + i + 1, n, zeros), L, t.pair + L);
-      v0 = t.pair;
-      v1 = t.pair + L;
+      first = t.pair;
+      second = t.pair + L;
     }
-    interleave_rows(v0, v1, L, t.values + (n0 + i) * L);
+    interleave_rows(first, second, L, t.values + (n0 + i) * L);
   }
 }
 
