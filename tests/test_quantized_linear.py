@@ -2,6 +2,8 @@
 models fuse as their bf16 Linears do, and what does not fuse keeps its spelling, so Inductor's own
 int8 path (`_weight_int8pack_mm`)."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -11,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, PerGroup, quantize_
 
 import mla_inductor
-from mla_inductor import isa
+from mla_inductor import benchmarking, isa
 from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
@@ -147,6 +149,61 @@ def test_on_an_amx_cpu_more_than_four_rows_go_to_onednn_unless_the_weights_are_i
         for module, fires in ((model, config.num_layers), (bf16, 0)):
             _, events = rewrite_and_run(lambda ids: module(input_ids=ids, use_cache=False).logits, prompt)
             assert fired(events, "qkv_a_proj") == fires
+
+
+@pytest.mark.parametrize("native_bf16, rows, per_call", [
+    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, True),
+    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS - 1, False),
+    (False, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, False),
+])
+def test_restore_keeps_a_prefill_gemm_over_the_dequantized_weight_where_bf16_is_native(native_bf16, rows, per_call,
+                                                                                      monkeypatch):
+    """Graphs only: torchao's int8 weight-only Linear comes back in its spelling (mm over the int8 weight
+    converted, for `_weight_int8pack_mm`), except at a prefill's rows where bf16 GEMMs are native: then an
+    mm over the weight dequantized in aten (converted to bf16, times its scale in fp32)."""
+    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
+    linear = int8_weight_only(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16))
+    gm = forward_graph(linear, torch.randn(rows, 64).to(torch.bfloat16))
+    assert quantized_linear.canonicalize(gm.graph) == 1
+    quantized_linear.restore(gm.graph)
+    gm.graph.eliminate_dead_code()
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    weight = mm.args[1]
+    if per_call:
+        assert weight.target is torch.ops.aten.permute.default
+        rounded = weight.args[0]
+        assert rounded.target is torch.ops.prims.convert_element_type.default and rounded.args[1] == torch.bfloat16
+        product = rounded.args[0]
+        assert product.target is torch.ops.aten.mul.Tensor and product.meta["val"].dtype == torch.float32
+        assert product.args[0].args[0].meta["val"].dtype == torch.int8
+    else:
+        assert weight.target is torch.ops.prims.convert_element_type.default  # torchao's spelling
+
+
+def test_prefill_int8_weight_only_linears_are_bf16_gemms_over_int8_constants(monkeypatch):
+    """One torchao int8 weight-only Linear called on a prefill's rows (DEQUANTIZED_GEMM_MIN_ROWS) and on
+    a decode's, compiled frozen, where bf16 GEMMs are native (the CPU is said to have them; the shapes are
+    small enough for any CPU's bf16 mm): the prefill call is a bf16 mm over the weight dequantized by a
+    pointwise kernel, the decode call keeps Inductor's `_weight_int8pack_mm`, and the weight they share
+    stays one int8 constant. The dequantized GEMM is as accurate as eager torchao against fp64."""
+    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: True)
+    g = torch.Generator().manual_seed(0)
+    linear = int8_weight_only(torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16))
+    prefill = torch.randn(quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, 96, generator=g).to(torch.bfloat16)
+    decode = torch.randn(4, 96, generator=g).to(torch.bfloat16)
+    fn = lambda a, b: (linear(a), linear(b))  # noqa: E731
+    torch._dynamo.reset()
+    with torch.no_grad(), benchmarking.inference_freezing():
+        expected = fn(prefill, decode)
+        (actual_prefill, actual_decode), (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"),
+                                                                    prefill, decode)
+    assert len(re.findall(r"extern_kernels\.(?:add)?mm\(", code)) == 1 and code.count("_weight_int8pack_mm(") == 1
+    assert "torch.int8 (80, 96)" in code and "torch.bfloat16 (80, 96)" not in code  # the frozen weight
+    weight = linear.weight.qdata.double() * linear.weight.scale.double().view(80, 1)
+    exact = prefill.double() @ weight.t() + linear.bias.double()
+    assert (actual_prefill.double() - exact).abs().max() <= 2 * (expected[0].double() - exact).abs().max()
+    torch.testing.assert_close(actual_prefill, expected[0], atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(actual_decode, expected[1], atol=5e-2, rtol=2e-2)
 
 
 def static_cache_decode(model, prompt, steps, freezing=False):

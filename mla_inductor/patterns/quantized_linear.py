@@ -13,7 +13,8 @@ What no fusion took gets its own spelling back (`restore`), node for node, so th
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
 `_weight_int8pack_mm` under freezing, say). A dequantized weight something else still reads (the
 W_kc / W_vc views mla_decode takes of kv_b_proj's weight) becomes the aten computation it stands for,
-which freezing folds into a constant.
+which freezing folds into a constant. One exception: a prefill's int8 weight-only Linear, where bf16
+GEMMs are native, stays a bf16 GEMM over its weight dequantized per call (`DEQUANTIZED_GEMM_MIN_ROWS`).
 
 The joint-graph stage is where this pays: it runs with and without freezing, and sees model code's
 spelling before any of Inductor's int8 rewrites (post-grad graphs hold Inductor's `woq_int8` lowering
@@ -41,6 +42,7 @@ from typing import Optional
 import torch
 from torch.fx import Graph, Node
 
+from .. import isa
 from ..ops.weight_quant import ACTIVATION_QUANT, QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows
 from .contraction import Decline, Emitter
 
@@ -48,6 +50,16 @@ aten, prims = torch.ops.aten, torch.ops.prims
 DEQUANTIZE = torch.ops.mla.dequantize_weight.default
 _ORIGIN = "mla_quantized_linear_origin"  # node.meta key of a canonical mm: the spelling it replaced
 _FLATTENED = "mla_flattened_x"  # node.meta key of the view that flattens a canonical mm's x
+_PER_CALL = "mla_dequantized_per_call"  # node.meta key of a dequantize_weight a GEMM reads (restore)
+
+# From this many rows (a prefill's), an int8 weight-only Linear that no fusion took runs as a bf16 GEMM
+# over its weight dequantized per call wherever oneDNN's bf16 GEMM is native (AVX512-BF16, AMX), instead
+# of torchao's spelling, which Inductor lowers to `_weight_int8pack_mm`: a kernel without AMX or dpbf16
+# tiles whose time grows with the rows. On the AMX Xeon, 2048 x 10944 bf16, 2 threads (eager ops, the
+# dequantization included): int8pack 23 / 45 / 92 / 374 ms at 32 / 64 / 128 / 512 rows, dequantize and mm
+# 66 / 65 / 67 / 94 ms. The GEMM needs the weight in bf16 but the compiled module keeps it in int8:
+# Inductor's constant folding leaves an int8 -> bf16 conversion of a constant alone.
+DEQUANTIZED_GEMM_MIN_ROWS = 128
 
 
 @dataclasses.dataclass
@@ -611,8 +623,19 @@ def _dequantize_in_aten(graph: Graph, node: Node) -> Node:
     return emit(prims.convert_element_type.default, product, dtype)
 
 
+def _gemm_on_the_dequantized_weight(mm: Node, dequantized: Node) -> bool:
+    """Whether a canonical Linear is best left a GEMM over its weight dequantized per call (see
+    DEQUANTIZED_GEMM_MIN_ROWS): int8 weight-only, per-channel, bf16, rows known and that many."""
+    weight, _, block_size, dtype = dequantized.args
+    rows = mm.args[0].meta["val"].shape[0]
+    return (isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS and isa.native_bf16_gemm()
+            and weight.meta["val"].dtype == torch.int8 and block_size is None and dtype == torch.bfloat16
+            and _activation_quant(dequantized) == "none")
+
+
 def restore(graph: Graph) -> int:
-    """Canonical Linears no fusion took back in their spelling; other reads of a dequantized weight in aten."""
+    """Canonical Linears no fusion took back in their spelling (or left GEMMs over their weight dequantized
+    per call); other reads of a dequantized weight in aten."""
     restored = 0
     for node in list(graph.nodes):
         origin = node.meta.get(_ORIGIN)
@@ -621,6 +644,9 @@ def restore(graph: Graph) -> int:
         mm = node.args[0] if node.target is aten.view.default else node
         x, transposed = mm.args
         dequantized = transposed.args[0]
+        if _gemm_on_the_dequantized_weight(mm, dequantized):
+            dequantized.meta[_PER_CALL] = True
+            continue
         current = {"x": x.args[0] if x.meta.get(_FLATTENED) else x, "weight": dequantized.args[0],
                    "scale": dequantized.args[1]}
         with graph.inserting_before(node):
@@ -630,9 +656,22 @@ def restore(graph: Graph) -> int:
     for node in list(graph.nodes):
         if node.target is DEQUANTIZE:
             if node.users:
-                node.replace_all_uses_with(_spelled(graph, node))
+                node.replace_all_uses_with(_dequantize_per_call(graph, node) if node.meta.get(_PER_CALL)
+                                           else _spelled(graph, node))
             graph.erase_node(node)
     return restored
+
+
+def _dequantize_per_call(graph: Graph, node: Node) -> Node:
+    """A per-channel int8 `dequantize_weight` as aten ops that freezing does not fold: the int8 -> bf16
+    conversion first (exact; Inductor's constant folding keeps it for its int8 path), then the scale in
+    fp32, rounded once. The weight stays int8 in the compiled module, dequantized by one pass per call."""
+    weight, scale, _, dtype = node.args
+    emit = Emitter(graph, node, like=node)
+    widened = emit(prims.convert_element_type.default, weight, dtype)
+    rows = weight.meta["val"].shape[0]
+    product = emit(aten.mul.Tensor, widened, emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
+    return emit(prims.convert_element_type.default, product, dtype)
 
 
 def _spelled(graph: Graph, dequantized: Node) -> Node:
