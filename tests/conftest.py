@@ -37,3 +37,13 @@ def _projection_rows_as_on_every_cpu(request, monkeypatch):
         from mla_inductor.lowerings import segment_gemm
 
         monkeypatch.setattr(segment_gemm, "MAX_ROWS_AMX", 2**31)
+
+
+@pytest.fixture(autouse=True)
+def _fp8_weight_routes_as_on_every_cpu(monkeypatch):
+    """Frozen e4m3fn weights widen into fp32's bits unless they hold a NaN or, on a CPU whose FMAs are
+    slow on subnormal operands (Intel's), a subnormal (segment_gemm.widens_to_fp32_bits). Tests assume
+    AMD's rule, so that they compile the same kernels on every CPU; those that test Intel's say so."""
+    from mla_inductor import isa
+
+    monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: False)

@@ -15,6 +15,7 @@ from mla_inductor import benchmarking, isa
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.models.mla import RMSNorm, init_weights_
+from mla_inductor.lowerings import segment_gemm
 from mla_inductor.lowerings.segment_gemm import can_pack, pack_column_blocks, pack_vnni_blocks
 from mla_inductor.ops.qkv_a import reference_fp64
 from mla_inductor.ops.rope import rotate_pairs
@@ -321,21 +322,36 @@ class EveryFiniteE4m3fn(nn.Module):
         return dequantize_fp64(self.q_weight, scale, block).t().bfloat16()
 
 
-def test_frozen_fp8_weights_widen_every_finite_value_exactly():
+@pytest.mark.parametrize("slow_subnormals", [False, True])
+def test_frozen_fp8_weights_widen_every_finite_value_exactly(slow_subnormals, monkeypatch):
     """Rows 0..63 in tiles of several rows, row 64 (e_0 again) in a one-row tile: both kinds of tile.
-    x = 2^-24 I too: the widened weights times x stay clear of fp32's subnormals (nt_dot.h's kXPrescale)."""
+    x = 2^-24 I too: the widened weights times x stay clear of fp32's subnormals (nt_dot.h's kXPrescale).
+    Where subnormal FMA operands are slow (the CPU is said to be such) the weight's subnormals keep it
+    on the fp16 route, exact too."""
+    monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: slow_subnormals)
     model = EveryFiniteE4m3fn().eval()
     eye = torch.cat([torch.eye(64), torch.eye(64)[:1]])
+    weight_t = "at::Float8_e4m3fn" if slow_subnormals else "mla_inductor::Float8_e4m3fn_finite"
     torch._dynamo.reset()
     with benchmarking.inference_freezing(), torch.no_grad():
         compiled = torch.compile(model)
         _, (code,) = run_and_get_code(compiled, eye.bfloat16())
-        assert code.count("using weight_t = mla_inductor::Float8_e4m3fn_finite;") == 2 and "torch.ops.mla" not in code
+        assert code.count(f"using weight_t = {weight_t};") == 2 and "torch.ops.mla" not in code
         for x_scale in (1.0, 2.0**-24):
             for out, block, scale in zip(compiled((eye * x_scale).bfloat16()), model.blocks, model.scales):
                 expected = model.expected(block, scale) * x_scale
                 torch.testing.assert_close(out, torch.cat([expected, expected[:1]]), atol=0, rtol=0,
                                            msg=f"{block}, x times {x_scale}")
+
+
+@pytest.mark.parametrize("slow_subnormals", [False, True])
+def test_fp8_weights_widen_into_fp32_bits_unless_a_nan_or_a_slow_subnormal(slow_subnormals, monkeypatch):
+    monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: slow_subnormals)
+    finite = torch.tensor([0.0, -448.0, 2.0**-6, 1.5, -0.25]).to(torch.float8_e4m3fn)  # normals and zero
+    subnormal = torch.cat([finite, torch.tensor([0x01], dtype=torch.uint8).view(torch.float8_e4m3fn)])
+    nan = torch.cat([finite, torch.tensor([0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)])
+    assert segment_gemm.widens_to_fp32_bits(finite) and not segment_gemm.widens_to_fp32_bits(nan)
+    assert segment_gemm.widens_to_fp32_bits(subnormal) is not slow_subnormals
 
 
 class DirectCall(nn.Module):

@@ -80,8 +80,9 @@ __attribute__((always_inline)) inline __m256 widen_fp8x8(const T* p) {
 // NaN-free e4m3fn straight into fp32's bits: the byte sign-extended to 32 bits and shifted left by 20
 // puts exponent and mantissa at fp32's bits 20..26 and the sign at 27..31, of which the mask keeps 31.
 // The biases differ by 120 (127 - 7), so that is the value times 2^-120 (kWidenedScale), subnormals
-// (exponent 0) included, as fp32 subnormals, which Zen 3's FMAs take at full speed (measured; an Intel
-// core may take a microcode assist on them). Three integer ops per vector, against the fp16 route's
+// (exponent 0) included, as fp32 subnormals, which Zen 3's FMAs take at full speed (measured) and Intel's
+// through a microcode assist (90x slower on the AMX Xeon: the lowering takes this route there only for
+// weights without subnormals, segment_gemm.widens_to_fp32_bits). Three integer ops per vector, against the fp16 route's
 // three and a vcvtph2ps: one core's fp8 tiles over a weight in L2 went from 11 to 16 GB/s on an AVX2
 // EPYC (Zen 3; docs/quantized_weights.md). One body serves 8 lanes (__v8si) and 16 (__v16si).
 template <typename V>
