@@ -1,16 +1,18 @@
 """Decode attention over an fp8 KV cache against the same step over a bf16 cache, B=1, 4096 rows.
 
 An fp8 cache holds half the bytes, which is all a decode step over a long context must read; the
-kernels widen it in registers (docs/mla_decode.md). Two steps, each over a stack of layers whose caches
-exceed the L3 even in fp8:
-- gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128),
-  8 layers (16 MiB of bf16 K and V each);
+kernels widen it in registers, or convert it to bf16 for AMX tiles (docs/mla_decode.md). Two steps, each over a stack of
+layers whose caches, in fp8, exceed twice this CPU's last-level cache (by default; at least 8 and 16
+layers):
+- gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128;
+  16 MiB of bf16 K and V a layer at 4096 rows);
 - latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22),
-  latent rows of 512 + 64, blocks of 16, W_vc de-absorption, 16 layers (4.5 MiB of bf16 cache each).
+  latent rows of 512 + 64, blocks of 16, W_vc de-absorption (4.5 MiB of bf16 cache a layer).
 Each compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's) and
 an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
 throughput of the roofline: max(cache bytes / copy bandwidth, FLOPs / the GEMM the kernel's products run
-as: fp32 for an fp8 cache, which the dpbf16 tiles do not take). Prints medians; asserts nothing.
+as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles take it
+(16 or more heads per cached row on an AMX CPU). Prints medians; asserts nothing.
 
     python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096]
 """
@@ -35,7 +37,9 @@ def quantized(x, dtype, scale_dims):
 
 
 def gqa_step(args, dtype):
-    heads, kv_heads, head_dim, layers = 32, 8, 128, args.gqa_layers
+    heads, kv_heads, head_dim = 32, 8, 128
+    layers = args.gqa_layers or benchmarking.layers_past_the_cache(
+        2 * args.context * kv_heads * head_dim, 8, times=2)
     q = torch.randn(1, heads, 1, head_dim).bfloat16()
     layers_kv = []
     for _ in range(layers):
@@ -48,11 +52,12 @@ def gqa_step(args, dtype):
                        backend="mla_inductor", dynamic=False)
     cache_bytes = sum(k.nbytes + v.nbytes for k, v, *_ in layers_kv)
     flops = layers * heads * args.context * 2 * 2 * head_dim
-    return (lambda: [fn(q, *kv) for kv in layers_kv]), cache_bytes, flops
+    return (lambda: [fn(q, *kv) for kv in layers_kv]), cache_bytes, flops, layers, heads // kv_heads
 
 
 def latent_step(args, dtype):
-    heads, lora, rope, v_head_dim, layers, block_size = 22, 512, 64, 128, args.latent_layers, 16
+    heads, lora, rope, v_head_dim, block_size = 22, 512, 64, 128, 16
+    layers = args.latent_layers or benchmarking.layers_past_the_cache(args.context * (lora + rope), 16, times=2)
     block_tables, num_blocks = make_block_tables(1, args.context, block_size, seed=0)
     q = torch.randn(1, heads, lora + rope).bfloat16()
     caches = [quantized(torch.randn(num_blocks, block_size, lora + rope), dtype, (-1,)) for _ in range(layers)]
@@ -63,16 +68,17 @@ def latent_step(args, dtype):
     row_bytes = (lora + rope) * caches[0][0].element_size()
     cache_bytes = layers * args.context * row_bytes
     flops = layers * heads * args.context * 2 * (lora + rope + lora)
-    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), cache_bytes, flops
+    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), cache_bytes, flops, layers, heads
 
 
 def bench(name, make_step, args):
     dtypes = {"bf16": torch.bfloat16, "e4m3, per-token scales": E4M3, "e5m2": E5M2}
     steps = {label: make_step(args, dtype) for label, dtype in dtypes.items()}
+    layers, heads_per_row = steps["bf16"][3:]
     copy, copy_bytes = benchmarking.copy_probe()
     gemm_bf16, gemm_bf16_flops = benchmarking.gemm_probe(torch.bfloat16)
     gemm_fp32, gemm_fp32_flops = benchmarking.gemm_probe(torch.float32)
-    fns = {label: step for label, (step, _, _) in steps.items()}
+    fns = {label: step for label, (step, *_) in steps.items()}
     with torch.no_grad():
         for fn in fns.values():
             fn()  # compile
@@ -80,13 +86,14 @@ def bench(name, make_step, args):
             {**fns, "copy": copy, "gemm bf16": gemm_bf16, "gemm fp32": gemm_fp32}, rounds=args.rounds, calls=3)
     bandwidth = copy_bytes / t["copy"]
     roof = {"bf16": gemm_bf16_flops / t["gemm bf16"], "fp32": gemm_fp32_flops / t["gemm fp32"]}
-    print(f"\n## {name}, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, GEMM "
-          f"{isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
-          f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s (fp8 caches' roof); {benchmarking.machine_line()}")
+    fp8_roof = "bf16" if isa.host_isa() == "amx" and heads_per_row >= 16 else "fp32"
+    print(f"\n## {name}, {layers} layers, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, "
+          f"GEMM {isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
+          f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s; fp8 caches' roof: {fp8_roof}; {benchmarking.machine_line()}")
     print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline |")
     print("|---|---|---|---|---|---|")
-    for label, (_, cache_bytes, flops) in steps.items():
-        compute = flops / (roof["bf16"] if label == "bf16" else roof["fp32"])
+    for label, (_, cache_bytes, flops, *_) in steps.items():
+        compute = flops / (roof["bf16"] if label == "bf16" else roof[fp8_roof])
         roofline = max(cache_bytes / bandwidth, compute)
         print(f"| {label} | {cache_bytes / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
               f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} |", flush=True)
@@ -97,15 +104,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", nargs="+", default=["gqa", "latent"], choices=["gqa", "latent"])
     p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--gqa-layers", type=int, default=8, help="8 x 16 MiB of bf16 K and V at context 4096")
-    p.add_argument("--latent-layers", type=int, default=16, help="16 x 4.5 MiB of bf16 cache at context 4096")
+    p.add_argument("--gqa-layers", type=int, help="16 MiB of bf16 K and V each at 4096 rows (default: past the L3)")
+    p.add_argument("--latent-layers", type=int, help="4.5 MiB of bf16 cache each at 4096 rows (default: past the L3)")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     benchmarking.fresh_compiles()
     if "gqa" in args.part:
-        bench("gqa: 32 query over 8 key/value heads of 128, 8 layers", gqa_step, args)
+        bench("gqa: 32 query over 8 key/value heads of 128", gqa_step, args)
     if "latent" in args.part:
-        bench("latent: 22 heads, rows of 512 + 64, blocks of 16, W_vc, 16 layers", latent_step, args)
+        bench("latent: 22 heads, rows of 512 + 64, blocks of 16, W_vc", latent_step, args)
 
 
 if __name__ == "__main__":

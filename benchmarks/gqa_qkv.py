@@ -1,12 +1,12 @@
 """gqa_qkv at a Llama-3-8B-shaped layer (hidden 4096, 32 q heads, 8 kv heads, d_head 128): transformers'
 own modules (LlamaRMSNorm, the q/k/v Linears, LlamaRotaryEmbedding, apply_rotary_pos_emb) from the
 residual add of the previous block to the rotated heads, in a stack of layers whose weights exceed
-128 MiB, so that decode streams them from memory.
+128 MiB and the last-level cache, so that decode streams them from memory.
 
 Prints `benchmarking.weight_stream_table` (medians of interleaved rounds against the roofline
 measured in the same rounds). Asserts nothing.
 
-    python benchmarks/gqa_qkv.py [--rows 1 8 512] [--layers 3]
+    python benchmarks/gqa_qkv.py [--rows 1 8 512] [--layers N]
 """
 
 import torch
@@ -54,8 +54,8 @@ class Stack(nn.Module):
 
 
 def main():
-    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 3,
-                                           "3 x 48 MiB of bf16 q/k/v weights = 144 MiB")
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 48 << 20, 3,
+                                           "48 MiB of bf16 q/k/v weights")
     args = p.parse_args()
     benchmarking.fresh_compiles()
 

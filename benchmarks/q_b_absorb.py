@@ -1,11 +1,11 @@
 """q_b_absorb at the deepseek-v3-tp22 shape (q_lora 1536 -> 22 heads x (128 + 64), W_kc 22 x 128 x 512,
-interleaved RoPE): a stack of layers whose q_b_proj and kv_b_proj weights exceed 128 MiB, so that
-decode streams them from memory.
+interleaved RoPE): a stack of layers whose q_b_proj and kv_b_proj weights exceed 128 MiB and the
+last-level cache, so that decode streams them from memory.
 
 Prints `benchmarking.weight_stream_table`: medians of interleaved rounds for eager, stock, stock at
 its best and mla_inductor, against the roofline measured in the same rounds. Asserts nothing.
 
-    python benchmarks/q_b_absorb.py [--rows 1 8 512] [--layers 10]
+    python benchmarks/q_b_absorb.py [--rows 1 8 512] [--layers N]
 """
 
 import torch
@@ -45,8 +45,8 @@ class Stack(nn.Module):
 
 
 def main():
-    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 10,
-                                           "10 x (12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 151 MiB")
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 15.15 * 2**20, 10,
+                                           "12.4 (q_b) + 2.75 (W_kc) MiB of bf16 weights read")
     args = p.parse_args()
     benchmarking.fresh_compiles()
 

@@ -1,10 +1,10 @@
 """qkv_a_proj at the deepseek-v3-tp22 shape (hidden 7168 -> 1536 + 576): a stack of layers whose
-A-projection weights exceed 128 MiB, so that decode streams them from memory.
+A-projection weights exceed 128 MiB and the last-level cache, so that decode streams them from memory.
 
 Prints `benchmarking.weight_stream_table`: medians of interleaved rounds for eager, stock, stock at
 its best and mla_inductor, against the roofline measured in the same rounds. Asserts nothing.
 
-    python benchmarks/qkv_a.py [--rows 1 8 512] [--layers 6] [--template-max-rows N]
+    python benchmarks/qkv_a.py [--rows 1 8 512] [--layers N] [--template-max-rows N]
 """
 
 import torch
@@ -42,8 +42,8 @@ class Stack(nn.Module):
 
 
 def main():
-    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 6,
-                                           "6 x 30 MiB of bf16 weights = 182 MiB")
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 30 << 20, 6,
+                                           "30 MiB of bf16 weights")
     p.add_argument("--template-max-rows", type=int, default=None, help="fire the fusion up to this many rows")
     args = p.parse_args()
     if args.template_max_rows is not None:  # to measure the template where the cost model declines it

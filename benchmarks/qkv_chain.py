@@ -3,11 +3,11 @@ fused q_a / kv_a projection, both RMSNorms, q_b_proj, the W_kc absorption, RoPE 
 the query [tokens, 22, 576] and the cache row [tokens, 576]. What SGLang's `qkv_proj_with_rope` is;
 mla_inductor compiles it to qkv_a_proj (k_pe rotated in its epilogue) and q_b_absorb.
 
-A stack of layers whose weights read per call exceed 128 MiB, so that decode streams them from
+A stack of layers whose weights read per call exceed 128 MiB and the last-level cache, so that decode streams them from
 memory. Prints `benchmarking.weight_stream_table` (medians of interleaved rounds against the roofline
 measured in the same rounds). Asserts nothing.
 
-    python benchmarks/qkv_chain.py [--rows 1 8 512] [--layers 4]
+    python benchmarks/qkv_chain.py [--rows 1 8 512] [--layers N]
 """
 
 import torch
@@ -46,8 +46,8 @@ class Stack(nn.Module):
 
 
 def main():
-    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 4,
-                                           "4 x (30.9 q_a/kv_a + 12.4 q_b + 2.75 W_kc) MiB of bf16 weights read = 184 MiB")
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 46.05 * 2**20, 4,
+                                           "30.9 (q_a/kv_a) + 12.4 (q_b) + 2.75 (W_kc) MiB of bf16 weights read")
     args = p.parse_args()
     benchmarking.fresh_compiles()
 

@@ -13,7 +13,7 @@ quantize and torch._int_mm for either W8A8, the block dequantization for fp8), w
 ("stock best" is the faster). All variants of a row count, and a large copy, run in the same
 interleaved rounds. Asserts nothing.
 
-    python benchmarks/quantized_projections.py [--rows 1 8] [--layers 6]
+    python benchmarks/quantized_projections.py [--rows 1 8] [--layers N]
 """
 
 import contextlib
@@ -87,7 +87,7 @@ class Stack(nn.Module):
 
 
 def main():
-    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 6, "6 x 15 MiB of int8 / fp8 weights")
+    p = benchmarking.projection_arg_parser(__doc__.splitlines()[0], 15 << 20, 6, "15 MiB of int8 / fp8 weights")
     p.set_defaults(rows=[1, 8])
     args = p.parse_args()
     benchmarking.fresh_compiles()

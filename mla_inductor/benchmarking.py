@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
+import pathlib
 import statistics
 import time
 from typing import Callable, Mapping, Optional, Sequence
@@ -19,8 +21,21 @@ from . import isa, record
 
 
 def machine_line() -> str:
-    """The CPU, its ISA and the threads: every benchmark's table names what it was measured on."""
-    return f"{isa.cpu_model()}, ISA {isa.host_isa()}; threads {torch.get_num_threads()}"
+    """The CPU, its ISA, its last-level cache and the threads: every benchmark's table names what it was
+    measured on."""
+    return (f"{isa.cpu_model()}, ISA {isa.host_isa()}, L3 {last_level_cache_bytes() >> 20} MiB; "
+            f"threads {torch.get_num_threads()}")
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this CPU's largest cache (sysfs; 32 MiB if it cannot be read). Memory-bound benchmarks
+    size their data past it: the EPYCs here have 32 MiB of L3, the AMX Xeon 300 MiB."""
+    sizes = []
+    for entry in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = entry.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=32 << 20)
 
 
 def fresh_compiles() -> None:
@@ -32,11 +47,22 @@ def fresh_compiles() -> None:
     torch._functorch.config.enable_autograd_cache = False
 
 
-def projection_arg_parser(description: str, layers: int, layers_help: str) -> argparse.ArgumentParser:
-    """The options of the weight-streaming benchmarks (`weight_stream_table`)."""
+def layers_past_the_cache(bytes_per_layer: float, at_least: int, times: float = 1.2) -> int:
+    """Layers enough for their data to exceed `times` the last-level cache (and at least `at_least`): a
+    stack sized for the EPYCs' 32 MiB of L3 sits in the AMX Xeon's 300 MiB, and would stream from it."""
+    return max(at_least, math.ceil(times * last_level_cache_bytes() / bytes_per_layer))
+
+
+def projection_arg_parser(description: str, layer_bytes: float, at_least: int, layer_help: str
+                          ) -> argparse.ArgumentParser:
+    """The options of the weight-streaming benchmarks (`weight_stream_table`): by default as many layers
+    of `layer_bytes` of weights (the smallest format's) as exceed the last-level cache, `at_least` of them."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
-    p.add_argument("--layers", type=int, default=layers, help=layers_help)
+    layers = layers_past_the_cache(layer_bytes, at_least)
+    p.add_argument("--layers", type=int, default=layers,
+                   help=f"layers of {layer_help}; default {layers}: at least {at_least}, and past this CPU's "
+                        f"{last_level_cache_bytes() >> 20} MiB last-level cache")
     p.add_argument("--rounds", type=int, default=9)
     return p
 
