@@ -151,16 +151,17 @@ def test_on_an_amx_cpu_more_than_four_rows_go_to_onednn_unless_the_weights_are_i
             assert fired(events, "qkv_a_proj") == fires
 
 
-@pytest.mark.parametrize("native_bf16, rows, per_call", [
-    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, True),
-    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS - 1, False),
-    (False, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, False),
+@pytest.mark.parametrize("native_bf16, rows, gemm_dtype", [
+    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, torch.bfloat16),
+    (False, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, torch.float32),
+    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS - 1, None),
 ])
-def test_restore_keeps_a_prefill_gemm_over_the_dequantized_weight_where_bf16_is_native(native_bf16, rows, per_call,
-                                                                                      monkeypatch):
+def test_restore_keeps_a_prefill_gemm_over_the_weight_dequantized_per_call(native_bf16, rows, gemm_dtype,
+                                                                           monkeypatch):
     """Graphs only: torchao's int8 weight-only Linear comes back in its spelling (mm over the int8 weight
-    converted, for `_weight_int8pack_mm`), except at a prefill's rows where bf16 GEMMs are native: then an
-    mm over the weight dequantized in aten (converted to bf16, times its scale in fp32)."""
+    converted, for `_weight_int8pack_mm`), except at a prefill's rows: then an mm over the weight
+    dequantized in aten (converted to bf16, times its scale in fp32), in bf16 where bf16 GEMMs are native
+    and else in fp32, x widened and the product rounded once."""
     monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
     linear = int8_weight_only(torch.nn.Linear(64, 48, bias=False).to(torch.bfloat16))
     gm = forward_graph(linear, torch.randn(rows, 64).to(torch.bfloat16))
@@ -169,24 +170,28 @@ def test_restore_keeps_a_prefill_gemm_over_the_dequantized_weight_where_bf16_is_
     gm.graph.eliminate_dead_code()
     (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     weight = mm.args[1]
-    if per_call:
-        assert weight.target is torch.ops.aten.permute.default
-        rounded = weight.args[0]
-        assert rounded.target is torch.ops.prims.convert_element_type.default and rounded.args[1] == torch.bfloat16
-        product = rounded.args[0]
-        assert product.target is torch.ops.aten.mul.Tensor and product.meta["val"].dtype == torch.float32
-        assert product.args[0].args[0].meta["val"].dtype == torch.int8
-    else:
+    if gemm_dtype is None:
         assert weight.target is torch.ops.prims.convert_element_type.default  # torchao's spelling
+        return
+    assert weight.target is torch.ops.aten.permute.default and mm.meta["val"].dtype == gemm_dtype
+    dequantized = weight.args[0]
+    product = dequantized.args[0] if gemm_dtype == torch.bfloat16 else dequantized
+    assert product.target is torch.ops.aten.mul.Tensor and product.meta["val"].dtype == torch.float32
+    widened = product.args[0]
+    assert widened.args[1] == torch.bfloat16 and widened.args[0].meta["val"].dtype == torch.int8
+    if gemm_dtype == torch.float32:
+        (rounded,) = mm.users
+        assert rounded.meta["val"].dtype == torch.bfloat16 and mm.args[0].meta["val"].dtype == torch.float32
 
 
-def test_prefill_int8_weight_only_linears_are_bf16_gemms_over_int8_constants(monkeypatch):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_prefill_int8_weight_only_linears_are_gemms_over_int8_constants(native_bf16, monkeypatch):
     """One torchao int8 weight-only Linear called on a prefill's rows (DEQUANTIZED_GEMM_MIN_ROWS) and on
-    a decode's, compiled frozen, where bf16 GEMMs are native (the CPU is said to have them; the shapes are
-    small enough for any CPU's bf16 mm): the prefill call is a bf16 mm over the weight dequantized by a
-    pointwise kernel, the decode call keeps Inductor's `_weight_int8pack_mm`, and the weight they share
+    a decode's, compiled frozen, the CPU said to have native bf16 GEMMs or not (the shapes are small
+    enough for any CPU's bf16 mm): the prefill call is an mm (bf16, or fp32) over the weight dequantized by
+    a pointwise kernel, the decode call keeps Inductor's `_weight_int8pack_mm`, and the weight they share
     stays one int8 constant. The dequantized GEMM is as accurate as eager torchao against fp64."""
-    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: True)
+    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
     g = torch.Generator().manual_seed(0)
     linear = int8_weight_only(torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16))
     prefill = torch.randn(quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, 96, generator=g).to(torch.bfloat16)
@@ -198,7 +203,8 @@ def test_prefill_int8_weight_only_linears_are_bf16_gemms_over_int8_constants(mon
         (actual_prefill, actual_decode), (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"),
                                                                     prefill, decode)
     assert len(re.findall(r"extern_kernels\.(?:add)?mm\(", code)) == 1 and code.count("_weight_int8pack_mm(") == 1
-    assert "torch.int8 (80, 96)" in code and "torch.bfloat16 (80, 96)" not in code  # the frozen weight
+    assert "torch.int8 (80, 96)" in code  # the frozen weight, and no dequantized copy of it
+    assert "torch.bfloat16 (80, 96)" not in code and "torch.float32 (80, 96)" not in code
     weight = linear.weight.qdata.double() * linear.weight.scale.double().view(80, 1)
     exact = prefill.double() @ weight.t() + linear.bias.double()
     assert (actual_prefill.double() - exact).abs().max() <= 2 * (expected[0].double() - exact).abs().max()

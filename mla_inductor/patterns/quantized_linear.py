@@ -13,8 +13,9 @@ What no fusion took gets its own spelling back (`restore`), node for node, so th
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
 `_weight_int8pack_mm` under freezing, say). A dequantized weight something else still reads (the
 W_kc / W_vc views mla_decode takes of kv_b_proj's weight) becomes the aten computation it stands for,
-which freezing folds into a constant. One exception: a prefill's int8 weight-only Linear, where bf16
-GEMMs are native, stays a bf16 GEMM over its weight dequantized per call (`DEQUANTIZED_GEMM_MIN_ROWS`).
+which freezing folds into a constant. One exception: a prefill's int8 weight-only Linear stays a GEMM
+over its weight dequantized per call, in bf16 where bf16 GEMMs are native, else in fp32
+(`DEQUANTIZED_GEMM_MIN_ROWS`).
 
 The joint-graph stage is where this pays: it runs with and without freezing, and sees model code's
 spelling before any of Inductor's int8 rewrites (post-grad graphs hold Inductor's `woq_int8` lowering
@@ -52,13 +53,19 @@ _ORIGIN = "mla_quantized_linear_origin"  # node.meta key of a canonical mm: the 
 _FLATTENED = "mla_flattened_x"  # node.meta key of the view that flattens a canonical mm's x
 _PER_CALL = "mla_dequantized_per_call"  # node.meta key of a dequantize_weight a GEMM reads (restore)
 
-# From this many rows (a prefill's), an int8 weight-only Linear that no fusion took runs as a bf16 GEMM
-# over its weight dequantized per call wherever oneDNN's bf16 GEMM is native (AVX512-BF16, AMX), instead
-# of torchao's spelling, which Inductor lowers to `_weight_int8pack_mm`: a kernel without AMX or dpbf16
-# tiles whose time grows with the rows. On the AMX Xeon, 2048 x 10944 bf16, 2 threads (eager ops, the
-# dequantization included): int8pack 23 / 45 / 92 / 374 ms at 32 / 64 / 128 / 512 rows, dequantize and mm
-# 66 / 65 / 67 / 94 ms. The GEMM needs the weight in bf16 but the compiled module keeps it in int8:
-# Inductor's constant folding leaves an int8 -> bf16 conversion of a constant alone.
+# From this many rows (a prefill's), an int8 weight-only Linear that no fusion took runs as a GEMM over its
+# weight dequantized per call instead of torchao's spelling, which Inductor lowers to `_weight_int8pack_mm`:
+# a kernel without AMX, dpbf16 or oneDNN's blocking, whose time grows with the rows. In bf16 where oneDNN's
+# bf16 GEMM is native (AVX512-BF16, AMX); else in fp32 (x widened, the weight dequantized in fp32, the
+# result rounded once), as a bf16 GEMM there runs ATen's fallback. Measured, 2 threads:
+# - AMX Xeon, 2048 x 10944, eager ops: int8pack 23 / 45 / 92 / 374 ms at 32 / 64 / 128 / 512 rows;
+#   dequantize and bf16 mm 66 / 65 / 67 / 94 ms (the dequantization included);
+# - AMX Xeon, an MLP of 2048 -> 5632 -> 2048, compiled, one process each: stock 367 / 91 ms at 512 / 128
+#   rows, ours 41 / 20 (eager 46 at 512); with ATen and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
+#   ONEDNN_MAX_CPU_ISA=AVX2) and the C++ built for haswell, standing in for an AVX2 CPU: stock 568 / 143,
+#   ours in fp32 241-287 / 120.
+# The compiled module keeps the weight int8 either way: Inductor's constant folding leaves an int8 -> bf16
+# conversion of a constant alone, and the dequantization starts with one.
 DEQUANTIZED_GEMM_MIN_ROWS = 128
 
 
@@ -623,14 +630,27 @@ def _dequantize_in_aten(graph: Graph, node: Node) -> Node:
     return emit(prims.convert_element_type.default, product, dtype)
 
 
-def _gemm_on_the_dequantized_weight(mm: Node, dequantized: Node) -> bool:
-    """Whether a canonical Linear is best left a GEMM over its weight dequantized per call (see
-    DEQUANTIZED_GEMM_MIN_ROWS): int8 weight-only, per-channel, bf16, rows known and that many."""
+def _dequantized_gemm_dtype(mm: Node, dequantized: Node) -> Optional[torch.dtype]:
+    """The dtype of the GEMM a canonical Linear is best left as, over its weight dequantized per call (see
+    DEQUANTIZED_GEMM_MIN_ROWS), or None: int8 weight-only, per-channel, bf16, rows known and that many."""
     weight, _, block_size, dtype = dequantized.args
     rows = mm.args[0].meta["val"].shape[0]
-    return (isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS and isa.native_bf16_gemm()
-            and weight.meta["val"].dtype == torch.int8 and block_size is None and dtype == torch.bfloat16
-            and _activation_quant(dequantized) == "none")
+    if not (isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS and weight.meta["val"].dtype == torch.int8
+            and block_size is None and dtype == torch.bfloat16 and _activation_quant(dequantized) == "none"):
+        return None
+    return torch.bfloat16 if isa.native_bf16_gemm() else torch.float32
+
+
+def _gemm_in_fp32(graph: Graph, mm: Node, dequantized: Node) -> None:
+    """`mm` as an fp32 GEMM of x widened and the weight dequantized per call in fp32, rounded once."""
+    x, transposed = mm.args
+    weight = _dequantize_per_call(graph, dequantized, torch.float32)
+    emit = Emitter(graph, mm, like=mm)
+    product = emit(aten.mm.default, emit.cast(x, torch.float32), emit(aten.permute.default, weight, [1, 0]))
+    mm.replace_all_uses_with(emit.cast(product, mm.meta["val"].dtype))
+    graph.erase_node(mm)
+    if not transposed.users:
+        graph.erase_node(transposed)
 
 
 def restore(graph: Graph) -> int:
@@ -644,8 +664,11 @@ def restore(graph: Graph) -> int:
         mm = node.args[0] if node.target is aten.view.default else node
         x, transposed = mm.args
         dequantized = transposed.args[0]
-        if _gemm_on_the_dequantized_weight(mm, dequantized):
-            dequantized.meta[_PER_CALL] = True
+        gemm_dtype = _dequantized_gemm_dtype(mm, dequantized)
+        if gemm_dtype is not None:
+            dequantized.meta[_PER_CALL] = True  # for the GEMM in bf16, and for any other reader
+            if gemm_dtype == torch.float32:
+                _gemm_in_fp32(graph, mm, dequantized)
             continue
         current = {"x": x.args[0] if x.meta.get(_FLATTENED) else x, "weight": dequantized.args[0],
                    "scale": dequantized.args[1]}
@@ -662,16 +685,17 @@ def restore(graph: Graph) -> int:
     return restored
 
 
-def _dequantize_per_call(graph: Graph, node: Node) -> Node:
-    """A per-channel int8 `dequantize_weight` as aten ops that freezing does not fold: the int8 -> bf16
-    conversion first (exact; Inductor's constant folding keeps it for its int8 path), then the scale in
-    fp32, rounded once. The weight stays int8 in the compiled module, dequantized by one pass per call."""
-    weight, scale, _, dtype = node.args
+def _dequantize_per_call(graph: Graph, node: Node, dtype: Optional[torch.dtype] = None) -> Node:
+    """A per-channel int8 `dequantize_weight` as aten ops that freezing does not fold, in `dtype` (the
+    node's by default): the int8 -> bf16 conversion first (exact; Inductor's constant folding keeps it
+    for its int8 path), then the scale in fp32, rounded once to `dtype`. The weight stays int8 in the
+    compiled module, dequantized by one pass per call."""
+    weight, scale, _, node_dtype = node.args
     emit = Emitter(graph, node, like=node)
-    widened = emit(prims.convert_element_type.default, weight, dtype)
+    widened = emit(prims.convert_element_type.default, weight, torch.bfloat16)
     rows = weight.meta["val"].shape[0]
     product = emit(aten.mul.Tensor, widened, emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
-    return emit(prims.convert_element_type.default, product, dtype)
+    return emit.cast(product, dtype or node_dtype)
 
 
 def _spelled(graph: Graph, dequantized: Node) -> Node:
