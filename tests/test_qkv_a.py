@@ -322,21 +322,18 @@ class EveryFiniteE4m3fn(nn.Module):
         return dequantize_fp64(self.q_weight, scale, block).t().bfloat16()
 
 
-@pytest.mark.parametrize("slow_subnormals", [False, True])
-def test_frozen_fp8_weights_widen_every_finite_value_exactly(slow_subnormals, monkeypatch):
+def test_frozen_fp8_weights_widen_every_finite_value_exactly():
     """Rows 0..63 in tiles of several rows, row 64 (e_0 again) in a one-row tile: both kinds of tile.
     x = 2^-24 I too: the widened weights times x stay clear of fp32's subnormals (nt_dot.h's kXPrescale).
-    Where subnormal FMA operands are slow (the CPU is said to be such) the weight's subnormals keep it
-    on the fp16 route, exact too."""
-    monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: slow_subnormals)
+    (Where subnormal FMA operands are slow, this weight's subnormals would keep it on the fp16 route:
+    the rule is tested below, the fp16 route's exactness in test_gqa_decode.py.)"""
     model = EveryFiniteE4m3fn().eval()
     eye = torch.cat([torch.eye(64), torch.eye(64)[:1]])
-    weight_t = "at::Float8_e4m3fn" if slow_subnormals else "mla_inductor::Float8_e4m3fn_finite"
     torch._dynamo.reset()
     with benchmarking.inference_freezing(), torch.no_grad():
         compiled = torch.compile(model)
         _, (code,) = run_and_get_code(compiled, eye.bfloat16())
-        assert code.count(f"using weight_t = {weight_t};") == 2 and "torch.ops.mla" not in code
+        assert code.count("using weight_t = mla_inductor::Float8_e4m3fn_finite;") == 2 and "torch.ops.mla" not in code
         for x_scale in (1.0, 2.0**-24):
             for out, block, scale in zip(compiled((eye * x_scale).bfloat16()), model.blocks, model.scales):
                 expected = model.expected(block, scale) * x_scale
@@ -346,6 +343,8 @@ def test_frozen_fp8_weights_widen_every_finite_value_exactly(slow_subnormals, mo
 
 @pytest.mark.parametrize("slow_subnormals", [False, True])
 def test_fp8_weights_widen_into_fp32_bits_unless_a_nan_or_a_slow_subnormal(slow_subnormals, monkeypatch):
+    """segment_gemm.widens_to_fp32_bits on frozen e4m3fn values: never with a NaN; with a subnormal only
+    where FMAs take subnormal operands at full speed (the CPU said to be either kind)."""
     monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: slow_subnormals)
     finite = torch.tensor([0.0, -448.0, 2.0**-6, 1.5, -0.25]).to(torch.float8_e4m3fn)  # normals and zero
     subnormal = torch.cat([finite, torch.tensor([0x01], dtype=torch.uint8).view(torch.float8_e4m3fn)])
