@@ -151,15 +151,19 @@ def test_on_an_amx_cpu_more_than_four_rows_go_to_onednn_unless_the_weights_are_i
             assert fired(events, "qkv_a_proj") == fires
 
 
+MIN_ROWS = quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS
+
+
 @pytest.mark.parametrize("native_bf16, rows, gemm_dtype", [
-    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, torch.bfloat16),
-    (False, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, torch.float32),
-    (True, quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS - 1, None),
+    (True, MIN_ROWS[torch.bfloat16], torch.bfloat16),
+    (True, MIN_ROWS[torch.bfloat16] - 1, None),
+    (False, MIN_ROWS[torch.float32], torch.float32),
+    (False, MIN_ROWS[torch.float32] - 1, None),
 ])
 def test_restore_keeps_a_prefill_gemm_over_the_weight_dequantized_per_call(native_bf16, rows, gemm_dtype,
                                                                            monkeypatch):
     """Graphs only: torchao's int8 weight-only Linear comes back in its spelling (mm over the int8 weight
-    converted, for `_weight_int8pack_mm`), except at a prefill's rows: then an mm over the weight
+    converted, for `_weight_int8pack_mm`), except over enough rows: then an mm over the weight
     dequantized in aten (converted to bf16, times its scale in fp32), in bf16 where bf16 GEMMs are native
     and else in fp32, x widened and the product rounded once."""
     monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
@@ -187,14 +191,14 @@ def test_restore_keeps_a_prefill_gemm_over_the_weight_dequantized_per_call(nativ
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_prefill_int8_weight_only_linears_are_gemms_over_int8_constants(native_bf16, monkeypatch):
     """One torchao int8 weight-only Linear called on a prefill's rows (DEQUANTIZED_GEMM_MIN_ROWS) and on
-    a decode's, compiled frozen, the CPU said to have native bf16 GEMMs or not (the shapes are small
+    a decode's (4), compiled frozen, the CPU said to have native bf16 GEMMs or not (the shapes are small
     enough for any CPU's bf16 mm): the prefill call is an mm (bf16, or fp32) over the weight dequantized by
     a pointwise kernel, the decode call keeps Inductor's `_weight_int8pack_mm`, and the weight they share
     stays one int8 constant. The dequantized GEMM is as accurate as eager torchao against fp64."""
     monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
     g = torch.Generator().manual_seed(0)
     linear = int8_weight_only(torch.nn.Linear(96, 80, bias=True).to(torch.bfloat16))
-    prefill = torch.randn(quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS, 96, generator=g).to(torch.bfloat16)
+    prefill = torch.randn(max(MIN_ROWS.values()), 96, generator=g).to(torch.bfloat16)
     decode = torch.randn(4, 96, generator=g).to(torch.bfloat16)
     fn = lambda a, b: (linear(a), linear(b))  # noqa: E731
     torch._dynamo.reset()

@@ -13,9 +13,9 @@ What no fusion took gets its own spelling back (`restore`), node for node, so th
 rewrites see what they would have seen without this pass (the int8 Linear stays torch's
 `_weight_int8pack_mm` under freezing, say). A dequantized weight something else still reads (the
 W_kc / W_vc views mla_decode takes of kv_b_proj's weight) becomes the aten computation it stands for,
-which freezing folds into a constant. One exception: a prefill's int8 weight-only Linear stays a GEMM
-over its weight dequantized per call, in bf16 where bf16 GEMMs are native, else in fp32
-(`DEQUANTIZED_GEMM_MIN_ROWS`).
+which freezing folds into a constant. One exception: an int8 weight-only Linear over enough rows (a
+prefill's) stays a GEMM over its weight dequantized per call, in bf16 where bf16 GEMMs are native, else
+in fp32 (`DEQUANTIZED_GEMM_MIN_ROWS`).
 
 The joint-graph stage is where this pays: it runs with and without freezing, and sees model code's
 spelling before any of Inductor's int8 rewrites (post-grad graphs hold Inductor's `woq_int8` lowering
@@ -53,20 +53,20 @@ _ORIGIN = "mla_quantized_linear_origin"  # node.meta key of a canonical mm: the 
 _FLATTENED = "mla_flattened_x"  # node.meta key of the view that flattens a canonical mm's x
 _PER_CALL = "mla_dequantized_per_call"  # node.meta key of a dequantize_weight a GEMM reads (restore)
 
-# From this many rows (a prefill's), an int8 weight-only Linear that no fusion took runs as a GEMM over its
-# weight dequantized per call instead of torchao's spelling, which Inductor lowers to `_weight_int8pack_mm`:
-# a kernel without AMX, dpbf16 or oneDNN's blocking, whose time grows with the rows. In bf16 where oneDNN's
+# From these many rows, an int8 weight-only Linear that no fusion took runs as a GEMM over its weight
+# dequantized per call instead of torchao's spelling, which Inductor lowers to `_weight_int8pack_mm`: a
+# kernel without AMX, dpbf16 or oneDNN's blocking, whose time grows with the rows. In bf16 where oneDNN's
 # bf16 GEMM is native (AVX512-BF16, AMX); else in fp32 (x widened, the weight dequantized in fp32, the
-# result rounded once), as a bf16 GEMM there runs ATen's fallback. Measured, 2 threads:
-# - AMX Xeon, 2048 x 10944, eager ops: int8pack 23 / 45 / 92 / 374 ms at 32 / 64 / 128 / 512 rows;
-#   dequantize and bf16 mm 66 / 65 / 67 / 94 ms (the dequantization included);
-# - AMX Xeon, an MLP of 2048 -> 5632 -> 2048, compiled, one process each: stock 367 / 91 ms at 512 / 128
-#   rows, ours 41 / 20 (eager 46 at 512); with ATen and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY=avx2,
-#   ONEDNN_MAX_CPU_ISA=AVX2) and the C++ built for haswell, standing in for an AVX2 CPU: stock 568 / 143,
-#   ours in fp32 241-287 / 120.
+# result rounded once), as a bf16 GEMM there runs ATen's fallback. An int8 MLP of 2048 -> 5632 -> 2048,
+# compiled, one process per variant, 2 threads on the AMX Xeon:
+# - bf16 GEMM: stock 11.1 / 22.2 / 45.5 / 91 / 367 ms at 16 / 32 / 64 / 128 / 512 rows, ours 10.9 /
+#   11.6 / 15.9 / 20 / 41 (eager 46 at 512);
+# - fp32 GEMM, with ATen and oneDNN held to AVX2 (ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) and
+#   the C++ built for haswell, standing in for an AVX2 CPU: stock 36 / 74 / 143 / 568 ms at 32 / 64 / 128
+#   / 512 rows, ours 86 / 101 / 120 / 241-287.
 # The compiled module keeps the weight int8 either way: Inductor's constant folding leaves an int8 -> bf16
 # conversion of a constant alone, and the dequantization starts with one.
-DEQUANTIZED_GEMM_MIN_ROWS = 128
+DEQUANTIZED_GEMM_MIN_ROWS = {torch.bfloat16: 32, torch.float32: 128}
 
 
 @dataclasses.dataclass
@@ -634,11 +634,12 @@ def _dequantized_gemm_dtype(mm: Node, dequantized: Node) -> Optional[torch.dtype
     """The dtype of the GEMM a canonical Linear is best left as, over its weight dequantized per call (see
     DEQUANTIZED_GEMM_MIN_ROWS), or None: int8 weight-only, per-channel, bf16, rows known and that many."""
     weight, _, block_size, dtype = dequantized.args
-    rows = mm.args[0].meta["val"].shape[0]
-    if not (isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS and weight.meta["val"].dtype == torch.int8
-            and block_size is None and dtype == torch.bfloat16 and _activation_quant(dequantized) == "none"):
+    if not (weight.meta["val"].dtype == torch.int8 and block_size is None and dtype == torch.bfloat16
+            and _activation_quant(dequantized) == "none"):
         return None
-    return torch.bfloat16 if isa.native_bf16_gemm() else torch.float32
+    gemm_dtype = torch.bfloat16 if isa.native_bf16_gemm() else torch.float32
+    rows = mm.args[0].meta["val"].shape[0]
+    return gemm_dtype if isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS[gemm_dtype] else None
 
 
 def _gemm_in_fp32(graph: Graph, mm: Node, dequantized: Node) -> None:
