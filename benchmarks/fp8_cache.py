@@ -1,9 +1,9 @@
 """Decode attention over an fp8 KV cache against the same step over a bf16 cache, B=1, 4096 rows.
 
 An fp8 cache holds half the bytes, which is all a decode step over a long context must read; the
-kernels widen it in registers, or convert it to bf16 for AMX tiles (docs/mla_decode.md). Two steps, each over a stack of
-layers whose caches, in fp8, exceed twice this CPU's last-level cache (by default; at least 8 and 16
-layers):
+kernels widen it in registers, or convert it to bf16 for AMX tiles (docs/mla_decode.md). Two steps,
+each over a stack of layers whose caches, in fp8, exceed twice this CPU's last-level cache (by
+default; at least 8 and 16 layers):
 - gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128;
   16 MiB of bf16 K and V a layer at 4096 rows);
 - latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22),
