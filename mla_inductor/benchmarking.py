@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 import pathlib
 import statistics
@@ -27,13 +28,14 @@ def machine_line() -> str:
             f"threads {torch.get_num_threads()}")
 
 
+@functools.cache
 def last_level_cache_bytes() -> int:
     """The size of this CPU's largest cache (sysfs; 32 MiB if it cannot be read). Memory-bound benchmarks
     size their data past it: the EPYCs here have 32 MiB of L3, the AMX Xeon 300 MiB."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     sizes = []
     for entry in pathlib.Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
         text = entry.read_text().strip()
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
         sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
     return max(sizes, default=32 << 20)
 

@@ -67,10 +67,16 @@ def cpu_model() -> str:
     numbers, and for AMD the core they mean ("AMD EPYC (family 25 model 1: Zen 3)"). A cloud's model
     name can be just "AMD EPYC", and the two kinds of AVX2 EPYC differ: a Zen 1 core splits every
     256-bit op in two, a Zen 3 core runs two 256-bit FMAs a cycle."""
+    return describe_cpu(_host_cpuinfo())
+
+
+@functools.cache
+def _host_cpuinfo() -> str:
+    """This machine's /proc/cpuinfo ("" where there is none)."""
     try:
-        return describe_cpu(pathlib.Path("/proc/cpuinfo").read_text())
+        return pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
-        return describe_cpu("")
+        return ""
 
 
 def _first_processor(cpuinfo: str) -> dict[str, str]:
@@ -89,11 +95,7 @@ def slow_subnormal_inputs() -> bool:
     """Whether this CPU's vector FMAs take a microcode assist when an operand is subnormal: Intel cores
     do (the AMX Xeon: 90x slower FMAs with one subnormal operand, measured), AMD's Zen cores run them at
     full speed (Zen 3, measured). Kernels that would widen values into fp32 subnormals avoid it here."""
-    try:
-        vendor = _first_processor(pathlib.Path("/proc/cpuinfo").read_text()).get("vendor_id")
-    except OSError:
-        vendor = None
-    return vendor != "AuthenticAMD"
+    return _first_processor(_host_cpuinfo()).get("vendor_id") != "AuthenticAMD"
 
 
 def describe_cpu(cpuinfo: str) -> str:

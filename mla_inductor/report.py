@@ -109,8 +109,8 @@ class Workload:
 def _layers_for(weights_per_layer: int) -> int:
     """Enough layers for decode to stream its weights from memory: past MIN_DECODE_WEIGHT_BYTES, and past
     this CPU's last-level cache (the AMX Xeon's 300 MiB held the 160 MiB stacks)."""
-    return max(math.ceil(MIN_DECODE_WEIGHT_BYTES / weights_per_layer),
-               benchmarking.layers_past_the_cache(weights_per_layer, 2))
+    at_least = max(2, math.ceil(MIN_DECODE_WEIGHT_BYTES / weights_per_layer))
+    return benchmarking.layers_past_the_cache(weights_per_layer, at_least)
 
 
 def _attention_flops(config: MLAConfig, batch: int, new_tokens: int, context: int, absorbed: bool) -> float:

@@ -618,16 +618,21 @@ def fold(graph: Graph) -> int:
     return folded
 
 
-def _dequantize_in_aten(graph: Graph, node: Node) -> Node:
-    """A per-channel `dequantize_weight` as the aten ops it stands for: weight.float() * scale, rounded."""
-    weight, scale, block_size, dtype = node.args
+def _dequantize_in_aten(graph: Graph, node: Node, per_call: bool = False, dtype: Optional[torch.dtype] = None
+                        ) -> Node:
+    """A per-channel `dequantize_weight` as the aten ops it stands for: weight.float() * scale, rounded once
+    to `dtype` (the node's by default). Freezing folds it into a constant, unless `per_call`: then an int8
+    weight is widened through bf16 (exactly), a conversion of a constant that Inductor's constant folding
+    leaves alone (it keeps it for its own int8 path), so the weight stays one byte an element in the
+    compiled module and is dequantized by one pass per call."""
+    weight, scale, block_size, node_dtype = node.args
     if block_size is not None:
         raise NotImplementedError("block-scaled weights are not canonicalized yet")
     emit = Emitter(graph, node, like=node)
     rows = weight.meta["val"].shape[0]
-    product = emit(aten.mul.Tensor, emit(prims.convert_element_type.default, weight, torch.float32),
-                   emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
-    return emit(prims.convert_element_type.default, product, dtype)
+    widened = emit(prims.convert_element_type.default, weight, torch.bfloat16 if per_call else torch.float32)
+    product = emit(aten.mul.Tensor, widened, emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
+    return emit.cast(product, dtype or node_dtype)
 
 
 def _dequantized_gemm_dtype(mm: Node, dequantized: Node) -> Optional[torch.dtype]:
@@ -642,10 +647,9 @@ def _dequantized_gemm_dtype(mm: Node, dequantized: Node) -> Optional[torch.dtype
     return gemm_dtype if isinstance(rows, int) and rows >= DEQUANTIZED_GEMM_MIN_ROWS[gemm_dtype] else None
 
 
-def _gemm_in_fp32(graph: Graph, mm: Node, dequantized: Node) -> None:
-    """`mm` as an fp32 GEMM of x widened and the weight dequantized per call in fp32, rounded once."""
+def _gemm_in_fp32(graph: Graph, mm: Node, weight: Node) -> None:
+    """`mm` as an fp32 GEMM of x widened and `weight` (its weight dequantized per call in fp32), rounded once."""
     x, transposed = mm.args
-    weight = _dequantize_per_call(graph, dequantized, torch.float32)
     emit = Emitter(graph, mm, like=mm)
     product = emit(aten.mm.default, emit.cast(x, torch.float32), emit(aten.permute.default, weight, [1, 0]))
     mm.replace_all_uses_with(emit.cast(product, mm.meta["val"].dtype))
@@ -658,6 +662,14 @@ def restore(graph: Graph) -> int:
     """Canonical Linears no fusion took back in their spelling (or left GEMMs over their weight dequantized
     per call); other reads of a dequantized weight in aten."""
     restored = 0
+    per_call = {}  # (weight, scale, dtype) -> its dequantization per call, one for every GEMM that reads it
+
+    def dequantized_per_call(node: Node, dtype: Optional[torch.dtype] = None) -> Node:
+        key = (*node.args[:2], dtype or node.args[3])
+        if key not in per_call:
+            per_call[key] = _dequantize_in_aten(graph, node, per_call=True, dtype=dtype)
+        return per_call[key]
+
     for node in list(graph.nodes):
         origin = node.meta.get(_ORIGIN)
         if origin is None or node.target not in (aten.mm.default, aten.view.default):
@@ -669,7 +681,7 @@ def restore(graph: Graph) -> int:
         if gemm_dtype is not None:
             dequantized.meta[_PER_CALL] = True  # for the GEMM in bf16, and for any other reader
             if gemm_dtype == torch.float32:
-                _gemm_in_fp32(graph, mm, dequantized)
+                _gemm_in_fp32(graph, mm, dequantized_per_call(dequantized, torch.float32))
             continue
         current = {"x": x.args[0] if x.meta.get(_FLATTENED) else x, "weight": dequantized.args[0],
                    "scale": dequantized.args[1]}
@@ -680,23 +692,10 @@ def restore(graph: Graph) -> int:
     for node in list(graph.nodes):
         if node.target is DEQUANTIZE:
             if node.users:
-                node.replace_all_uses_with(_dequantize_per_call(graph, node) if node.meta.get(_PER_CALL)
+                node.replace_all_uses_with(dequantized_per_call(node) if node.meta.get(_PER_CALL)
                                            else _spelled(graph, node))
             graph.erase_node(node)
     return restored
-
-
-def _dequantize_per_call(graph: Graph, node: Node, dtype: Optional[torch.dtype] = None) -> Node:
-    """A per-channel int8 `dequantize_weight` as aten ops that freezing does not fold, in `dtype` (the
-    node's by default): the int8 -> bf16 conversion first (exact; Inductor's constant folding keeps it
-    for its int8 path), then the scale in fp32, rounded once to `dtype`. The weight stays int8 in the
-    compiled module, dequantized by one pass per call."""
-    weight, scale, _, node_dtype = node.args
-    emit = Emitter(graph, node, like=node)
-    widened = emit(prims.convert_element_type.default, weight, torch.bfloat16)
-    rows = weight.meta["val"].shape[0]
-    product = emit(aten.mul.Tensor, widened, emit(aten.reshape.default, emit.cast(scale, torch.float32), [rows, 1]))
-    return emit.cast(product, dtype or node_dtype)
 
 
 def _spelled(graph: Graph, dequantized: Node) -> Node:
