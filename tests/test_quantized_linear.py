@@ -189,6 +189,33 @@ def test_restore_keeps_a_prefill_gemm_over_the_weight_dequantized_per_call(nativ
 
 
 @pytest.mark.parametrize("native_bf16", [True, False])
+def test_deepseek_prefill_keeps_its_unfused_int8_linears_gemms_over_the_dequantized_weights(
+        deepseek_int8, native_bf16, monkeypatch):
+    """transformers DeepseekV3 with torchao's int8 weight-only Linears, a prefill of each route's
+    DEQUANTIZED_GEMM_MIN_ROWS (as two sequences), graphs only: qkv_a_proj still takes the int8 q_a / kv_a
+    weights; every other Linear (q_b_proj, kv_b_proj, o_proj, the MLP and lm_head) is a GEMM over its
+    weight dequantized per call, none is torchao's spelling any more, and each weight is dequantized once."""
+    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: native_bf16)
+    config, model, _ = deepseek_int8
+    gemm_dtype = torch.bfloat16 if native_bf16 else torch.float32
+    prompt = torch.randint(0, config.vocab_size, (2, MIN_ROWS[gemm_dtype] // 2),
+                           generator=torch.Generator().manual_seed(1))
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        expected = fn(prompt)
+    actual, events = rewrite_and_run(fn, prompt)
+    assert fired(events, "qkv_a_proj") == config.num_layers
+    graph = rewrite_and_run.graph
+    mms = [n for n in graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert not any(mm.args[1].target is torch.ops.prims.convert_element_type.default for mm in mms)
+    assert len(mms) == 6 * config.num_layers + 1 and all(mm.meta["val"].dtype == gemm_dtype for mm in mms)
+    widened = [n for n in graph.nodes if n.target is torch.ops.prims.convert_element_type.default
+               and n.args[0].meta["val"].dtype == torch.int8]
+    assert len(widened) == len(mms)  # each weight dequantized once
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
 def test_prefill_int8_weight_only_linears_are_gemms_over_int8_constants(native_bf16, monkeypatch):
     """One torchao int8 weight-only Linear called on a prefill's rows (DEQUANTIZED_GEMM_MIN_ROWS) and on
     a decode's (4), compiled frozen, the CPU said to have native bf16 GEMMs or not (the shapes are small
