@@ -99,7 +99,7 @@ class Projections(nn.Module):
                 q_w8a8, q_fp8)
 
 
-QUANTIZED_KERNELS = ("mi::QuantizedRow<mi::ActivationQuant::kSglang>", "mla_inductor::Float8_e4m3fn_finite")
+QUANTIZED_KERNELS = ("mi::QuantizedGemm<mi::ActivationQuant::kSglang,", "mla_inductor::Float8_e4m3fn_finite")
 
 
 def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):

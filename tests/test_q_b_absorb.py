@@ -156,7 +156,7 @@ def test_quantized_templates_in_one_compile():
         flat = [args[k] for args in all_args for k in keys]
         if tokens == 3:
             outputs, (code,) = run_and_get_code(compiled, *flat)
-            assert code.count("mi::nt_task_scaled(") == len(QUANTIZED_CASES) and "torch.ops.mla" not in code
+            assert code.count("gemm.run(") == len(QUANTIZED_CASES) and "torch.ops.mla" not in code
         else:
             outputs = compiled(*flat)
         for args, out in zip(all_args, outputs):
@@ -201,7 +201,7 @@ def test_template_under_freezing_packs_bf16_and_skips_the_fp8_nan_fix_only_witho
     eager = (op(**args, rope_style="interleaved").double() - reference_fp64(**args, rope_style="interleaved")).abs().max().item()
     assert ours <= 2 * eager + 1e-7, (ours, eager)
 
-    assert code.count("mi::nt_task_scaled(") == 2
+    assert code.count("gemm.run(") == 2
     assert "Float8_e4m3fn_finite*>(" in code and "const at::Float8_e4m3fn*>(" in code
     assert_matches_quantized_fp64(fp8_finite, fp8_args)
     # q_b row 5 is in head 0's nope part: it reaches head 0's absorbed latent columns, not its rope

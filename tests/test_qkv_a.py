@@ -286,10 +286,52 @@ def test_quantized_templates_in_one_compile():
             torch._dynamo.maybe_mark_dynamic(args["x"], 0)
         if rows == 3:
             outputs, (code,) = run_and_get_code(compiled, *flat)
-            assert code.count("mi::nt_task_scaled(") == 2 * len(QUANTIZED_CASES), "two calls per template"
+            assert code.count("gemm.run(") == 2 * len(QUANTIZED_CASES), "two calls per template"
             for scheme in ("kSglang", "kTorchao"):  # W8A8 quantizes x in the template
-                assert f"mi::quantize_row<mi::ActivationQuant::{scheme}>(" in code
+                assert f"mi::QuantizedGemm<mi::ActivationQuant::{scheme}," in code
             assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
+        else:
+            outputs = compiled(*flat)
+        for args, out in zip(all_args, outputs):
+            assert_close_to_quantized_reference(out, args)
+
+
+# Shapes the AMX tiles serve (quantized_gemm.h: K in whole 64-column chunks, K blocks of whole chunks,
+# scale blocks of 16 rows), with weight rows past the last whole tile of 16 (40 and 24 rows): every
+# format, int8 weight-only under bf16 activations too, fp8 with K blocks of 64 and with one of 128 over
+# K = 192 (a partial last K block), and an odd count of chunks (W8A8's pairs of chunks).
+AMX_CASES = [
+    ("int8", "int8", None, torch.bfloat16),
+    ("int8", "int8_torchao", None, torch.bfloat16),
+    ("int8", "none", None, torch.bfloat16),
+    ("fp8", "none", [16, 64], torch.bfloat16),
+    ("fp8", "none", [16, 128], torch.bfloat16),
+]
+
+
+def test_quantized_templates_at_shapes_the_amx_tiles_serve():
+    """On an AMX CPU these run on the tiles (elsewhere on the FMA and integer tiles, which the test above
+    covers too): one compile with dynamic rows, 1 (decode), 8 and 17 (a whole block of 16 x rows and one
+    more)."""
+    keys = ("x", "q_weight", "kv_weight", "q_norm_weight", "kv_norm_weight", "q_weight_scale", "kv_weight_scale")
+
+    def fn(*flat):
+        outputs = []
+        for i, case in enumerate(AMX_CASES):
+            x, qw, kvw, qn, kvn, qs, kvs = flat[i * len(keys):(i + 1) * len(keys)]
+            outputs.append(op(x, qw, kvw, qn, kvn, 1e-6, 1e-5, q_weight_scale=qs, kv_weight_scale=kvs,
+                              weight_block_size=case[2], activation_quant=case[1]))
+        return outputs
+
+    compiled = torch.compile(fn)
+    for rows in (8, 1, 17):
+        all_args = [quantized_args(case, rows, seed=rows, hidden=192, nq=40, lora=16, rope=8) for case in AMX_CASES]
+        flat = [args[k] for args in all_args for k in keys]
+        for args in all_args:
+            torch._dynamo.maybe_mark_dynamic(args["x"], 0)
+        if rows == 8:
+            outputs, (code,) = run_and_get_code(compiled, *flat)
+            assert code.count("gemm.run(") == 2 * len(AMX_CASES) and "torch.ops.mla" not in code
         else:
             outputs = compiled(*flat)
         for args, out in zip(all_args, outputs):

@@ -164,7 +164,7 @@ def test_quantized_compiled_runs_the_templates_and_matches_the_reference():
         calls.append(recorded)
     compiled = torch.compile(lambda: [op(*c["args"], **c["kwargs"]) for c in calls])
     (int8_outputs, fp8_outputs), (code,) = run_and_get_code(compiled)
-    assert code.count("mi::nt_task_scaled(") == 6, "q_a and kv_a, then q_b, per chain"
+    assert code.count("gemm.run(") == 6, "q_a and kv_a, then q_b, per chain"
     # the chains share the SGLang-layout W_kc: one contiguous copy serves both (template._contiguous_copy;
     # two copies in one loop meet a GCC miscompile on AVX-512)
     assert code.count(f"empty_strided_cpu(({HEADS}, {NOPE}, {LATENT})") == 1

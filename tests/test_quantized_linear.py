@@ -272,7 +272,7 @@ def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(de
     (expected_tokens, expected_logits), (tokens, logits), code = static_cache_decode(model, prompt, 3, freezing=True)
     counts = mla_inductor.fusion_counts()
     assert counts["qkv_a_proj"] == counts["q_b_absorb"] == counts["mla_decode"] == config.num_layers, counts
-    assert "mi::nt_task_scaled(" in code and "wqb = reinterpret_cast<const int8_t*>(" in code  # q_b_absorb on the int8 q_b_proj
+    assert "gemm.run(" in code and "wqb = reinterpret_cast<const int8_t*>(" in code  # q_b_absorb on the int8 q_b_proj
     assert "_weight_int8pack_mm" in code
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
@@ -294,8 +294,8 @@ def test_llama_fires_gqa_qkv_over_int8_weights_weight_only_and_w8a8():
         expected = fn(ids)
         actual, (code,) = run_and_get_code(torch.compile(fn, backend="mla_inductor"), ids)
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
-    assert code.count("mi::nt_task_scaled(") == 2 and "const mi::WeightScales scales[S]" in code
-    assert "mi::quantize_row<mi::ActivationQuant::kTorchao>(" in code
+    assert code.count("gemm.run(") == 2 and "const mi::WeightScales scales[S]" in code
+    assert "mi::QuantizedGemm<mi::ActivationQuant::kTorchao," in code
     assert "_weight_int8pack_mm" in code and "_int_mm" in code
     torch.testing.assert_close(actual[0], expected[0], atol=5e-2, rtol=2e-2)
     torch.testing.assert_close(actual[1], expected[1], atol=0.15, rtol=0.05)  # W8A8 (see the DeepSeek test)
@@ -502,7 +502,7 @@ def test_deepseek_decode_with_torchao_dynamic_int8_compiled_fires_every_fusion_o
     for fusion in ("qkv_a_proj", "q_b_absorb", "mla_decode", "qkv_proj_with_rope"):
         assert counts[fusion] == config.num_layers, counts
     assert counts["rope"] == 2 * config.num_layers, counts
-    assert code.count("mi::quantize_row<mi::ActivationQuant::kTorchao>(") == 2, "qkv_a_proj's x and q_b_absorb's q_a"
+    assert code.count("mi::QuantizedGemm<mi::ActivationQuant::kTorchao,") == 2, "qkv_a_proj's x and q_b_absorb's q_a"
     assert "wqb = reinterpret_cast<const int8_t*>(" in code
     assert torch.equal(tokens, expected_tokens)
     assert (logits.float() - expected_logits.float()).abs().mean() < 0.03 * expected_logits.float().abs().mean()

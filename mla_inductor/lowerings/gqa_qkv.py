@@ -12,7 +12,8 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, guard_ints, realize_input
-from .segment_gemm import packed_weights, quantized_options, quantized_weights, scales_fit_tiles
+from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, quantized_options, quantized_weights,
+                           scales_fit_tiles)
 
 OP = torch.ops.mla.qkv_projection.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -41,7 +42,8 @@ class QkvProjectionTemplate(FusedOpTemplate):
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
         rope = ("rope.h",) if self.inputs["COS"] is not None else ()
-        return ("widen.h", "nt_dot.h") + packed + rope
+        quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
+        return ("widen.h", "nt_dot.h") + quantized + packed + rope
 
     def options(self, kernel) -> dict:
         x = self.inputs["X"]

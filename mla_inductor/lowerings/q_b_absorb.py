@@ -10,7 +10,8 @@ from torch._inductor import lowering as L
 
 from .. import config as mla_config
 from .template import FusedOpTemplate, cpp_rope_style, realize_input
-from .segment_gemm import frozen_values, packed_constant, quantized_options, quantized_weights, scales_fit_tiles
+from .segment_gemm import (QUANTIZED_GEMM_HEADERS, frozen_values, packed_constant, quantized_options,
+                           quantized_weights, scales_fit_tiles)
 
 OP = torch.ops.mla.q_b_absorb.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,7 +27,8 @@ class QBAbsorbTemplate(FusedOpTemplate):
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
-        return ("widen.h", "nt_dot.h") + packed + ("absorb.h", "rope.h")
+        quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
+        return ("widen.h", "nt_dot.h") + quantized + packed + ("absorb.h", "rope.h")
 
     def options(self, kernel) -> dict:
         x, wqb, w_kc = self.inputs["Q_A"], self.inputs["WQB"], self.inputs["W_KC"]

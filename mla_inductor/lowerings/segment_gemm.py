@@ -71,6 +71,10 @@ def widens_to_fp32_bits(weight: torch.Tensor) -> bool:
     return not (isa.slow_subnormal_inputs() and ((magnitude > 0) & (magnitude < 0x08)).any())
 
 
+# The C++ a template over quantized weights adds after nt_dot.h: QuantizedGemm and its AMX tiles.
+QUANTIZED_GEMM_HEADERS = ("amx_tiles.h", "quantized_gemm.h")
+
+
 def quantized_weights(scale, weight_block_size, activation_quant, *weights) -> Optional[dict]:
     """How a template reads its int8 / fp8 `weights` (a weight with a scale streams as it is, one byte
     an element, never packed), or None for weights in the activation dtype. `finite_e4m3fn`: they are

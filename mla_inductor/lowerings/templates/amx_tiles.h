@@ -56,19 +56,15 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
-// fp8 -> bf16 by table: the 128 magnitudes' bf16 bits (times kWidenedScale<C>, as load_floats widens
-// them, so that the kernels' scale bookkeeping is the same on every path), low and high bytes in two
-// 128-byte tables that two vpermi2b look up 64 values at a time. Exact for every value: an fp8 has at
-// most 3 mantissa bits and its exponents are within bf16's; NaN and infinity map to themselves. The
-// fp16 route of the FMA kernels (unpack, vcvtph2ps, then vcvtne2ps2bf16) takes three times the ops.
-template <typename C>
-struct Fp8Bf16Table {
+// Byte -> bf16 by table: the bf16 bits of 128 values, low and high bytes in two 128-byte tables that
+// two vpermi2b look up 64 values at a time (vpermi2b reads an index's low 7 bits).
+struct Bf16Table {
   __m512i lo[2], hi[2];
-  Fp8Bf16Table() {
+  template <typename Value>
+  explicit Bf16Table(Value value_of) {
     alignas(64) uint8_t lo_bytes[128], hi_bytes[128];
     for (int i = 0; i < 128; ++i) {
-      const float value = static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits())) * kWidenedScale<C>;
-      const uint16_t bits = c10::BFloat16(value).x;
+      const uint16_t bits = c10::BFloat16(value_of(i)).x;
       lo_bytes[i] = bits & 0xff;
       hi_bytes[i] = bits >> 8;
     }
@@ -79,9 +75,14 @@ struct Fp8Bf16Table {
   }
 };
 
+// fp8 -> bf16: the 128 magnitudes' bf16 bits (times kWidenedScale<C>, as load_floats widens them, so
+// that the kernels' scale bookkeeping is the same on every path). Exact for every value: an fp8 has at
+// most 3 mantissa bits and its exponents are within bf16's; NaN and infinity map to themselves. The
+// fp16 route of the FMA kernels (unpack, vcvtph2ps, then vcvtne2ps2bf16) takes three times the ops.
 template <typename C>
-inline const Fp8Bf16Table<C>& fp8_bf16_table() {
-  static const Fp8Bf16Table<C> table;
+inline const Bf16Table& fp8_bf16_table() {
+  static const Bf16Table table(
+      [](int i) { return static_cast<float>(C(static_cast<uint8_t>(i), C::from_bits())) * kWidenedScale<C>; });
   return table;
 }
 
@@ -90,7 +91,7 @@ inline const Fp8Bf16Table<C>& fp8_bf16_table() {
 // interleave bytes within 128-bit lanes: the qword shuffle first puts values 8l..8l+7 and 32+8l..32+8l+7
 // in lane l, so that the two unpacks come out in order.
 template <typename C>
-__attribute__((always_inline)) inline void fp8_to_bf16x64(const C* src, c10::BFloat16* dst, const Fp8Bf16Table<C>& t,
+__attribute__((always_inline)) inline void fp8_to_bf16x64(const C* src, c10::BFloat16* dst, const Bf16Table& t,
                                                           int count = 64) {
   const __m512i raw = count == 64 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8((1ull << count) - 1, src);
   const __m512i x = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw);
@@ -113,7 +114,7 @@ __attribute__((always_inline)) inline void row_to_bf16(const C* src, int64_t n, 
   if constexpr (std::is_same_v<C, c10::BFloat16>) {
     std::memcpy(dst, src, n * sizeof(C));
   } else {
-    const Fp8Bf16Table<C>& table = fp8_bf16_table<C>();
+    const Bf16Table& table = fp8_bf16_table<C>();
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) fp8_to_bf16x64(src + i, dst + i, table);
     if (i < n) fp8_to_bf16x64(src + i, dst + i, table, static_cast<int>(n - i));
