@@ -30,13 +30,14 @@ def _fresh_counts():
 @pytest.fixture(autouse=True)
 def _projection_rows_as_on_every_cpu(request, monkeypatch):
     """The pattern tests match prefill-sized graphs (8-64 rows), which fire on every CPU but one with
-    AMX, where the cost model leaves plain projections above MAX_ROWS_AMX rows to oneDNN's AMX GEMMs
-    (lowerings/segment_gemm.py). Lifted here so that they test the same matching on every CPU; tests
-    marked amx_row_limit test the limit itself."""
+    AMX, where the cost model leaves plain projections above MAX_ROWS_AMX rows (quantized ones on our
+    AMX tiles above MAX_ROWS_AMX_TILES) to oneDNN's AMX GEMMs (lowerings/segment_gemm.py). Lifted here
+    so that they test the same matching on every CPU; tests marked amx_row_limit test the limits."""
     if request.node.get_closest_marker("amx_row_limit") is None:
         from mla_inductor.lowerings import segment_gemm
 
         monkeypatch.setattr(segment_gemm, "MAX_ROWS_AMX", 2**31)
+        monkeypatch.setattr(segment_gemm, "MAX_ROWS_AMX_TILES", 2**31)
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,7 @@ from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
+from mla_inductor.lowerings import segment_gemm
 from mla_inductor.patterns import quantized_linear
 from mla_inductor.quantization import BlockFp8Linear, W8A8Linear
 from quant_utils import dequantize_fp64, quantize_rows_int8_fp64, quantize_rows_int8_torchao_fp64
@@ -149,6 +150,22 @@ def test_on_an_amx_cpu_more_than_four_rows_go_to_onednn_unless_the_weights_are_i
         for module, fires in ((model, config.num_layers), (bf16, 0)):
             _, events = rewrite_and_run(lambda ids: module(input_ids=ids, use_cache=False).logits, prompt)
             assert fired(events, "qkv_a_proj") == fires
+
+
+@pytest.mark.amx_row_limit
+@pytest.mark.parametrize("tokens, target, fires", [(8, "amx", True), (9, "amx", False), (8, "avx512_bf16", False)])
+def test_on_an_amx_cpu_quantized_weights_on_our_amx_tiles_keep_the_template_up_to_16_rows(
+        deepseek_w8a8, tokens, target, fires, monkeypatch):
+    """W8A8 A-projections whose K fits quantized_gemm.h's AMX tiles (256 columns) keep the template up
+    to segment_gemm.MAX_ROWS_AMX_TILES rows (two prompts of 8 tokens), where the C++ targets AMX; else
+    oneDNN's AMX GEMMs take more than MAX_ROWS_AMX. Graphs only: the CPU is said to have AMX."""
+    monkeypatch.setattr(isa, "host_isa", lambda: "amx")
+    monkeypatch.setattr(isa, "target_isa", lambda: target)
+    config, model, prompt = deepseek_w8a8
+    assert prompt.shape[0] * tokens in (segment_gemm.MAX_ROWS_AMX_TILES, segment_gemm.MAX_ROWS_AMX_TILES + 2)
+    with torch.no_grad():
+        _, events = rewrite_and_run(lambda ids: model(input_ids=ids, use_cache=False).logits, prompt[:, :tokens])
+    assert fired(events, "qkv_a_proj") == (config.num_layers if fires else 0)
 
 
 MIN_ROWS = quantized_linear.DEQUANTIZED_GEMM_MIN_ROWS

@@ -35,6 +35,12 @@ MAX_ROWS_UNFROZEN = 64
 # (1.35x: the absorption is what stock cannot fuse) and int8 weight-only weights (1.29-1.33x: stock's
 # _weight_int8pack_mm has no AMX kernel).
 MAX_ROWS_AMX = 4
+# Quantized weights whose template runs on our own AMX tiles (quantized_gemm.h; patterns'
+# on_amx_tiles) beat oneDNN's AMX GEMMs over the weights stock freezing dequantizes (fp8), or its _int_mm
+# (W8A8), at 8 rows (benchmarks/quantized_projections.py on the AMX Xeon: fp8 1.07x, W8A8 1.08-1.17x
+# stock at its best) and cost the same up to 16, one tile of x rows; more rows convert each weight
+# again per 16.
+MAX_ROWS_AMX_TILES = 16
 
 
 # nt_dot.h's tiles: a tile's weight rows must share their K-block scales (kTileCols rows), and a K
@@ -120,11 +126,16 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
 
 
-def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False) -> bool:
+def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_amx_tiles: bool = False) -> bool:
     """Whether a projection template over `rows` rows of `dtype` activations beats Inductor's own GEMM;
-    `amx_competes`: that GEMM runs on oneDNN's AMX tiles where the CPU has them (MAX_ROWS_AMX)."""
-    if amx_competes and isa.host_isa() == "amx" and rows > MAX_ROWS_AMX:
-        return False
+    `amx_competes`: that GEMM runs on oneDNN's AMX tiles where the CPU has them (MAX_ROWS_AMX);
+    `on_amx_tiles`: the template's quantized weights run on ours where the C++ targets AMX
+    (MAX_ROWS_AMX_TILES)."""
+    if amx_competes and isa.host_isa() == "amx":
+        if on_amx_tiles and isa.target_isa() == "amx":
+            return rows <= MAX_ROWS_AMX_TILES
+        if rows > MAX_ROWS_AMX:
+            return False
     if dtype == torch.bfloat16 and not isa.native_bf16_gemm():
         # Without a native bf16 GEMM, Inductor's bf16 mm runs ATen's at ~12 GFLOP/s at every row count,
         # where the templates widen to fp32 FMAs: 33 GFLOP/s (NT tiles) and 47 (packed, frozen) at 16,

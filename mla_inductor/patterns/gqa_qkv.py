@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
-from .quantized_linear import decline_reason, int8_weight_only
+from .quantized_linear import decline_reason, int8_weight_only, on_amx_tiles
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "gqa_qkv"
@@ -126,7 +126,8 @@ def check(match: Match) -> Optional[str]:
     if (q_weight.shape[0] // d_head) % (k_weight.shape[0] // d_head):
         return "query heads are not a multiple of the key/value heads"
     rows = math.prod(size_hint(s) for s in x.shape[:-1])
-    if not template_wins(rows, x.dtype, amx_competes=not int8_weight_only(weights)):
+    if not template_wins(rows, x.dtype, amx_competes=not int8_weight_only(weights),
+                         on_amx_tiles=on_amx_tiles(weights, x.dtype)):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     return None
 

@@ -25,7 +25,7 @@ from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
 from ..ops.qkv_a import check_args
-from .quantized_linear import decline_reason, int8_weight_only, row_split_reason
+from .quantized_linear import decline_reason, int8_weight_only, on_amx_tiles, row_split_reason
 from .registry import node_value, register_fusion, size_hint
 
 FUSION = "qkv_a_proj"
@@ -196,7 +196,8 @@ def check(match: Match) -> Optional[str]:
         return mismatch
     rows = math.prod(size_hint(s) for s in x.shape[:-1])
     weights = {name: match.kwargs[name] for name in ("q_weight", "kv_weight", "weight") if name in match.kwargs}
-    if not template_wins(rows, x.dtype, amx_competes=not int8_weight_only(weights)):
+    if not template_wins(rows, x.dtype, amx_competes=not int8_weight_only(weights),
+                         on_amx_tiles=on_amx_tiles(weights, x.dtype)):
         return f"{rows} rows: the GEMM is compute-bound there and Inductor's own path (oneDNN) is faster"
     kv_eps = kw["kv_eps"]
     try:

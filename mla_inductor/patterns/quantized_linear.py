@@ -535,6 +535,25 @@ def int8_weight_only(weights: dict[str, Node]) -> bool:
         for node in dequantized)
 
 
+def on_amx_tiles(weights: dict[str, Node], activation_dtype: torch.dtype) -> bool:
+    """Whether these weight nodes are quantized in a way quantized_gemm.h's AMX tiles serve (its
+    amx_serves): K in whole 64-column chunks up to 2^16, K blocks of whole chunks over blocks of 16-row
+    multiples, and bf16 activations for weight-only int8 / fp8 (the tiles multiply bf16)."""
+    dequantized = [_dequantized(node) for node in weights.values()]
+    if not dequantized or None in dequantized:
+        return False
+    for node in dequantized:
+        weight, _, block_size, _ = node.args
+        k = weight.meta["val"].shape[1]
+        if not isinstance(k, int) or k % 64 or k > 2**16:
+            return False
+        if block_size is not None and block_size[1] < k and (block_size[1] % 64 or block_size[0] % 16):
+            return False
+        if _activation_quant(node) == "none" and activation_dtype != torch.bfloat16:
+            return False
+    return True
+
+
 def _activation_quant(dequantized: Node) -> str:
     return dequantized.meta.get(_ACTIVATION_QUANT, "none")
 
