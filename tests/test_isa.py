@@ -142,9 +142,10 @@ def compile_only(gm, example_inputs):
     return gm.forward
 
 
-@pytest.mark.skipif(isa.native_bf16_gemm(), reason="this CPU runs the AVX512-BF16 kernels in the other tests")
-def test_avx512_bf16_kernels_compile_here():
-    """Built, not run, for a CPU with AVX512-BF16: VNNI-packed weights and the dpbf16 decode tiles."""
+@pytest.mark.skipif(isa.host_isa() == "amx", reason="this CPU runs the AVX512-BF16 and AMX kernels in the other tests")
+def test_avx512_bf16_and_amx_kernels_compile_here():
+    """Built, not run, for an AMX CPU (which has AVX512-BF16): VNNI-packed weights, the dpbf16 and AMX
+    decode tiles, and the AMX tiles of quantized weights (quantized_gemm.h)."""
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         _, (code,) = compile_frozen(module, inputs, backend=compile_only)

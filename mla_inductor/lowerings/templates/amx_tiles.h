@@ -1,5 +1,6 @@
 // AMX tiles (Sapphire Rapids and newer Xeons) for decode attention with many query heads per cache
-// row: the building blocks that latent_attention.h's AMX path is made of.
+// row: the building blocks that latent_attention.h's AMX path is made of (the byte -> bf16 tables and
+// the tile configuration serve quantized_gemm.h's projection tiles too).
 //
 // Why: with 16 or more heads per row (MLA's latent attention), a decode step does ~40 FLOPs per cache
 // byte, which two cores' AVX-512 tiles (dpbf16 or fp32 FMAs, ~150 GFLOP/s) cannot keep up with: the step

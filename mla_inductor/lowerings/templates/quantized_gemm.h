@@ -105,9 +105,9 @@ inline void pack_row_int8_quads(const QuantizedInt8* q, int64_t K, int r, int ro
 //
 // The sums of a K block are read out of the tiles to be scaled, and reading a C tile waits for every
 // product before it: so four consecutive K blocks accumulate in four C tiles (0, 1, 6, 7), read out
-// together. Read out after every 128-column block (the C tiles drained 56 times per weight row of
-// 7168 columns), eight rows ran 35% slower than with one block over the whole of K. Without K blocks,
-// consecutive chunks go to the four tiles in turn, so that no product waits on the one before.
+// together (eight rows of 128-column blocks: 73% of the copy bandwidth read out every block, 87% every
+// four). Without K blocks, consecutive chunks go to the four tiles in turn, read out once. The scaled
+// read-out is vectorized by hand: GCC left it scalar, which cost eight rows a third of their speed.
 template <typename TW>
 inline void amx_tile_bf16(const TW* w, int64_t ldw, int nr, int64_t K, const uint32_t* xp, int rows,
                           const float* k_scales, int64_t block_k, float* sums) {
@@ -147,8 +147,11 @@ inline void amx_tile_bf16(const TW* w, int64_t ldw, int nr, int64_t K, const uin
     _tile_stored(7, c[3], 4 * rows);
     const int count = k_scales ? static_cast<int>(std::min<int64_t>(4, (K - g0 + block_k - 1) / block_k)) : 4;
     for (int j = 0; j < count; ++j) {
-      const float s = k_scales ? k_scales[g0 / block_k + j] : 1.f;
-      for (int i = 0; i < kAmxWeightRows * rows; ++i) sums[i] += s * c[j][i];
+      const __m512 s = _mm512_set1_ps(k_scales ? k_scales[g0 / block_k + j] : 1.f);
+      for (int i = 0; i < kAmxWeightRows * rows; i += 16) {
+        const __m512 v = _mm512_fmadd_ps(s, _mm512_load_ps(c[j] + i), _mm512_load_ps(sums + i));
+        _mm512_store_ps(sums + i, v);
+      }
     }
   }
 }
