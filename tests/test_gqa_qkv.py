@@ -21,7 +21,7 @@ I = (NQ + 2 * NKV) * D
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 
 
-def make_inputs(dtype, seed=0, batch=B, seq=S):
+def make_inputs(dtype, seed=0, batch=B, seq=S, hidden=H):
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape, scale=1.0):
@@ -29,8 +29,9 @@ def make_inputs(dtype, seed=0, batch=B, seq=S):
 
     angles = torch.rand(batch, seq, D // 2, generator=g) * 6.3
     return dict(
-        input=randn(batch, seq, H), fused_qkv_weights=randn(H, I, scale=H**-0.5), bias=randn(I),
-        mlp_prev=randn(batch, seq, H), attention_prev=randn(batch, seq, H), gamma=randn(H) + 1, beta=randn(H),
+        input=randn(batch, seq, hidden), fused_qkv_weights=randn(hidden, I, scale=hidden**-0.5), bias=randn(I),
+        mlp_prev=randn(batch, seq, hidden), attention_prev=randn(batch, seq, hidden), gamma=randn(hidden) + 1,
+        beta=randn(hidden),
         cos=torch.cat([angles.cos()] * 2, -1).to(dtype), sin=torch.cat([angles.sin()] * 2, -1).to(dtype),
     )
 
@@ -142,11 +143,11 @@ def test_op_rejects_bad_input_naming_the_argument(change, message):
 # --- Neuron's FP8 quantization types: float8_e4m3fn weights, the activations quantized to fp8 -----------
 
 
-def fp8_case(kind, seed=0):
+def fp8_case(kind, seed=0, hidden=H):
     """Inputs of quantization_type `kind` ("row" or "static") with rotary q / k heads, and its fp64
     result: weights and activations quantized as the Neuron types say (a tensor's fp8 rounding is
     torch's cast), the products and the scales in fp64."""
-    a = make_inputs(torch.bfloat16, seed=seed)
+    a = make_inputs(torch.bfloat16, seed=seed, hidden=hidden)
     w = a["fused_qkv_weights"].double()
     if kind == "row":  # a scale per weight column; each token by its own absmax
         w_scale = (w.abs().amax(0) / 448).float()[None]
@@ -174,17 +175,19 @@ def fp8_case(kind, seed=0):
 
 def test_fp8_quantization_types_match_fp64_eager_and_compiled():
     """ROW and STATIC (their fp8 is float8_e4m3fn, largest value 448), the GEMM in the template over
-    the fp8 weights with the activations quantized inside it; one compile for both."""
-    cases = {kind: fp8_case(kind) for kind in ("row", "static")}
+    the fp8 weights with the activations quantized inside it; one compile for both, at a hidden size
+    with a partial vector and at one the AMX tiles serve (quantized_gemm.h; on an AMX CPU)."""
+    cases = {(kind, hidden): fp8_case(kind, hidden=hidden) for hidden in (H, 128) for kind in ("row", "static")}
+    layouts = ("BSD", "NBSd") * 2
 
-    def both(row, static):
-        return torch.ops.mla.qkv(**row)[0], torch.ops.mla.qkv(**static, output_layout="NBSd")[0]
+    def each(*calls):
+        return [torch.ops.mla.qkv(**args, output_layout=layout)[0] for args, layout in zip(calls, layouts)]
 
     torch._dynamo.reset()
-    compiled, (code,) = run_and_get_code(torch.compile(both, backend="mla_inductor"), *(c[0] for c in cases.values()))
+    compiled, (code,) = run_and_get_code(torch.compile(each, backend="mla_inductor"), *(c[0] for c in cases.values()))
     assert "kFp8Row" in code and "kFp8Static" in code and "mla.qkv_projection" not in code, "the template did not run"
-    eager = both(*(c[0] for c in cases.values()))
-    for (args, expected), ours, theirs, layout in zip(cases.values(), compiled, eager, ("BSD", "NBSd")):
+    eager = each(*(c[0] for c in cases.values()))
+    for (args, expected), ours, theirs, layout in zip(cases.values(), compiled, eager, layouts):
         for out in (ours, theirs):  # bf16 outputs of magnitude ~3: a bf16 step or two
             torch.testing.assert_close(to_bsd(out, layout).double(), expected, atol=3e-2, rtol=2e-2)
 

@@ -110,13 +110,15 @@ def test_template_w_kc_as_a_transposed_view():
 
 
 # SGLang's W8A8 (q_a quantized per token, per-channel int8 q_b) and fp8 blocks of [8, 16] over
-# q_lora_rank 40 (a partial K block) and 3 heads x (18 + 8) = 78 rows (a partial row block).
-QUANTIZED_CASES = [("int8", "int8", None), ("fp8", "none", [8, 16])]
+# q_lora_rank 40 (a partial K block) and 3 heads x (18 + 8) = 78 rows (a partial row block); both again
+# at a q_lora_rank the AMX tiles serve (quantized_gemm.h: whole 64-column chunks; blocks of [16, 64]).
+QUANTIZED_CASES = [("int8", "int8", None, 40), ("fp8", "none", [8, 16], 40),
+                   ("int8", "int8", None, 128), ("fp8", "none", [16, 64], 128)]
 
 
 def quantized_args(case, tokens, seed=0):
-    fmt, activation_quant, block = case
-    args = make_args(tokens, torch.bfloat16, seed=seed, nope=18, q_lora_rank=40)
+    fmt, activation_quant, block, q_lora_rank = case
+    args = make_args(tokens, torch.bfloat16, seed=seed, nope=18, q_lora_rank=q_lora_rank)
     weight = args["q_b_weight"]
     args["q_b_weight"], scale = quantize_weight_int8(weight) if fmt == "int8" else quantize_weight_fp8_blocks(weight, block)
     return dict(args, q_b_weight_scale=scale, weight_block_size=block, activation_quant=activation_quant)
@@ -141,7 +143,7 @@ def test_quantized_templates_in_one_compile():
 
     def fn(*flat):
         outputs = []
-        for i, (_, activation_quant, block) in enumerate(QUANTIZED_CASES):
+        for i, (_, activation_quant, block, _) in enumerate(QUANTIZED_CASES):
             q_a, q_b_weight, w_kc, cos, sin, scale = flat[i * len(keys):(i + 1) * len(keys)]
             outputs.append(op(q_a, q_b_weight, w_kc, cos, sin, "interleaved", q_b_weight_scale=scale,
                               weight_block_size=block, activation_quant=activation_quant))
@@ -202,7 +204,7 @@ def test_template_under_freezing_packs_bf16_and_skips_the_fp8_nan_fix_only_witho
     assert ours <= 2 * eager + 1e-7, (ours, eager)
 
     assert code.count("gemm.run(") == 2
-    assert "Float8_e4m3fn_finite*>(" in code and "const at::Float8_e4m3fn*>(" in code
+    assert all(f"using weight_t = {t};  // q_b_proj's" in code for t in ("mla_inductor::Float8_e4m3fn_finite", "at::Float8_e4m3fn"))
     assert_matches_quantized_fp64(fp8_finite, fp8_args)
     # q_b row 5 is in head 0's nope part: it reaches head 0's absorbed latent columns, not its rope
     assert fp8_nan[:, 0, :40].isnan().all() and fp8_nan[:, 0, 40:].isfinite().all() and fp8_nan[:, 1:].isfinite().all()

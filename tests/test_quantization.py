@@ -105,7 +105,7 @@ def test_serving_fp8_decode_compiled_frozen_keeps_the_fused_weights_fp8():
     for fusion in ("qkv_proj_with_rope", "qkv_a_proj", "q_b_absorb", "mla_decode"):
         assert counts[fusion] == config.num_layers, counts
     code = "\n".join(code)
-    assert "gemm.run(" in code and "wqb = reinterpret_cast<const mla_inductor::Float8_e4m3fn_finite*>(" in code, code
+    assert "gemm.run(" in code and "using weight_t = mla_inductor::Float8_e4m3fn_finite;  // q_b_proj's" in code, code
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 

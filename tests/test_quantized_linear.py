@@ -289,7 +289,7 @@ def test_deepseek_decode_compiled_frozen_keeps_int8_weights_and_matches_eager(de
     (expected_tokens, expected_logits), (tokens, logits), code = static_cache_decode(model, prompt, 3, freezing=True)
     counts = mla_inductor.fusion_counts()
     assert counts["qkv_a_proj"] == counts["q_b_absorb"] == counts["mla_decode"] == config.num_layers, counts
-    assert "gemm.run(" in code and "wqb = reinterpret_cast<const int8_t*>(" in code  # q_b_absorb on the int8 q_b_proj
+    assert "gemm.run(" in code and "using weight_t = int8_t;  // q_b_proj's" in code  # q_b_absorb on the int8 q_b_proj
     assert "_weight_int8pack_mm" in code
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, atol=5e-2, rtol=2e-2)
@@ -520,7 +520,7 @@ def test_deepseek_decode_with_torchao_dynamic_int8_compiled_fires_every_fusion_o
         assert counts[fusion] == config.num_layers, counts
     assert counts["rope"] == 2 * config.num_layers, counts
     assert code.count("mi::QuantizedGemm<mi::ActivationQuant::kTorchao,") == 2, "qkv_a_proj's x and q_b_absorb's q_a"
-    assert "wqb = reinterpret_cast<const int8_t*>(" in code
+    assert "using weight_t = int8_t;  // q_b_proj's" in code
     assert torch.equal(tokens, expected_tokens)
     assert (logits.float() - expected_logits.float()).abs().mean() < 0.03 * expected_logits.float().abs().mean()
     torch.testing.assert_close(logits, expected_logits, atol=0.15, rtol=0.05)

@@ -36,10 +36,10 @@ MAX_ROWS_UNFROZEN = 64
 # _weight_int8pack_mm has no AMX kernel).
 MAX_ROWS_AMX = 4
 # Quantized weights whose template runs on our own AMX tiles (quantized_gemm.h; patterns'
-# on_amx_tiles) beat oneDNN's AMX GEMMs over the weights stock freezing dequantizes (fp8), or its _int_mm
-# (W8A8), at 8 rows (benchmarks/quantized_projections.py on the AMX Xeon: fp8 1.07x, W8A8 1.08-1.17x
-# stock at its best) and cost the same up to 16, one tile of x rows; more rows convert each weight
-# again per 16.
+# on_amx_tiles) beat stock at its best (oneDNN's AMX GEMMs over the bf16 weights freezing folds fp8
+# into, or _int_mm for W8A8) at 8 and at 16 rows (benchmarks/quantized_projections.py on the AMX Xeon:
+# fp8 1.25-1.58x / 1.64x, W8A8 1.04-1.17x / 1.10x, int8 weight-only 2.6-2.9x / 3.3x). 16 rows are one
+# tile of x rows; more convert each weight again per 16.
 MAX_ROWS_AMX_TILES = 16
 
 
