@@ -383,6 +383,29 @@ def test_frozen_fp8_weights_widen_every_finite_value_exactly():
                                            msg=f"{block}, x times {x_scale}")
 
 
+def test_int8_weight_only_weights_reach_the_sums_exactly_for_every_int8_value():
+    """An int8 weight holding every value, -128 included (the AMX tiles' table covers magnitudes up to 127:
+    quantized_gemm.h's weights_to_bf16x64), with power-of-two per-channel scales; q has no norm, so row m
+    of x = I gives q[m, n] = q_weight[n, m] times its scale, exactly. 65 rows: whole blocks of x rows and
+    a last one of one row."""
+    hidden, nq, lora, rope = 64, 16, 8, 8
+    weight = torch.arange(-128, 128, dtype=torch.int32).repeat(nq * hidden // 256).view(nq, hidden).to(torch.int8)
+    scale = 2.0 ** torch.arange(-8.0, 8.0).view(nq, 1)
+    kv_weight, kv_scale = torch.ones(lora + rope, hidden, dtype=torch.int8), torch.ones(lora + rope, 1)
+    kv_norm_weight = torch.ones(lora, dtype=torch.bfloat16)
+
+    def q_of(x):
+        return op(x, weight, kv_weight, None, kv_norm_weight, 1e-6, 1e-6, q_weight_scale=scale,
+                  kv_weight_scale=kv_scale, activation_quant="none")[0]
+
+    eye = torch.cat([torch.eye(hidden), torch.eye(hidden)[:1]]).bfloat16()
+    expected = (weight.double() * scale.double()).t().bfloat16()
+    torch._dynamo.reset()
+    out, (code,) = run_and_get_code(torch.compile(q_of), eye)
+    assert "using weight_t = int8_t;" in code and "torch.ops.mla" not in code
+    torch.testing.assert_close(out, torch.cat([expected, expected[:1]]), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("slow_subnormals", [False, True])
 def test_fp8_weights_widen_into_fp32_bits_unless_a_nan_or_a_slow_subnormal(slow_subnormals, monkeypatch):
     """segment_gemm.widens_to_fp32_bits on frozen e4m3fn values: never with a NaN; with a subnormal only

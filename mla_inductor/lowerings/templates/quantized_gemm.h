@@ -21,13 +21,13 @@ namespace mla_inductor {
 #if defined(MLA_INDUCTOR_AMX) && defined(__AMX_INT8__)
 // A task's tiles: C = 16 weight rows x up to 16 x rows (fp32 or int32 sums), A = 16 weight rows x 64
 // bytes (32 bf16 or 64 int8 columns), B = x's rows packed as 16 dwords deep (k pairs of bf16, or k
-// quads of int8) x up to 16 rows. Two of each (four C), so that consecutive products never wait on
-// each other.
+// quads of int8) x up to 16 rows. Two A and two B tiles, and two C tiles (W8A8) or four (bf16), so
+// that consecutive products never wait on each other.
 constexpr int kAmxWeightRows = 16;
 constexpr int kAmxRows = 16;     // x rows per task
 constexpr int64_t kAmxChunk = 64;  // columns per step: one A tile of int8, two of bf16
-// The converting tiles ask for each weight row's line this far ahead: one row, fp8, past the L3 went
-// from 79-84% of the copy bandwidth to 90-97% (the hardware prefetcher alone, following 16 rows).
+// The converting tiles ask for each weight row's line this far ahead: one row of fp8 past the L3 ran at
+// 79-84% of the copy bandwidth with the hardware prefetcher alone (16 rows at once), 90-97% with it.
 constexpr int64_t kAmxPrefetchBytes = 512;
 
 inline void configure_projection_tiles(int rows) {
