@@ -262,12 +262,9 @@ def test_quantized_op_rejects_bad_input_naming_the_argument(change, message):
         op(**args)
 
 
-def test_quantized_templates_in_one_compile():
-    """One graph holds every case of QUANTIZED_CASES and one the tiles cannot serve (fp8 blocks of 3
-    rows with several K blocks: a tile of 4 rows would straddle two blocks' scales), which must fall
-    back to the eager op. One compile with dynamic rows: 3 (a partial tile) and 17 (two whole panels and
-    a one-row tile, the decode tile)."""
-    cases = QUANTIZED_CASES + [("fp8", "none", [3, 32], torch.bfloat16)]
+def compiled_cases_match_the_reference(cases, row_counts, **shape) -> str:
+    """Every case in one graph, compiled once with dynamic rows and run at each of `row_counts`, each
+    output against quantized_reference_fp64. Returns the code compiled for the first row count."""
     keys = ("x", "q_weight", "kv_weight", "q_norm_weight", "kv_norm_weight", "q_weight_scale", "kv_weight_scale")
 
     def fn(*flat):
@@ -278,22 +275,31 @@ def test_quantized_templates_in_one_compile():
                               weight_block_size=case[2], activation_quant=case[1]))
         return outputs
 
-    compiled = torch.compile(fn)
-    for rows in (3, 17):
-        all_args = [quantized_args(case, rows, seed=rows) for case in cases]
+    compiled, code = torch.compile(fn), None
+    for rows in row_counts:
+        all_args = [quantized_args(case, rows, seed=rows, **shape) for case in cases]
         flat = [args[k] for args in all_args for k in keys]
         for args in all_args:
             torch._dynamo.maybe_mark_dynamic(args["x"], 0)
-        if rows == 3:
+        if code is None:
             outputs, (code,) = run_and_get_code(compiled, *flat)
-            assert code.count("gemm.run(") == 2 * len(QUANTIZED_CASES), "two calls per template"
-            for scheme in ("kSglang", "kTorchao"):  # W8A8 quantizes x in the template
-                assert f"mi::QuantizedGemm<mi::ActivationQuant::{scheme}," in code
-            assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
         else:
             outputs = compiled(*flat)
         for args, out in zip(all_args, outputs):
             assert_close_to_quantized_reference(out, args)
+    return code
+
+
+def test_quantized_templates_in_one_compile():
+    """One graph holds every case of QUANTIZED_CASES and one the tiles cannot serve (fp8 blocks of 3
+    rows with several K blocks: a tile of 4 rows would straddle two blocks' scales), which must fall
+    back to the eager op. One compile with dynamic rows: 3 (a partial tile) and 17 (two whole panels and
+    a one-row tile, the decode tile)."""
+    code = compiled_cases_match_the_reference(QUANTIZED_CASES + [("fp8", "none", [3, 32], torch.bfloat16)], (3, 17))
+    assert code.count("gemm.run(") == 2 * len(QUANTIZED_CASES), "two calls per template"
+    for scheme in ("kSglang", "kTorchao"):  # W8A8 quantizes x in the template
+        assert f"mi::QuantizedGemm<mi::ActivationQuant::{scheme}," in code
+    assert code.count("torch.ops.mla.qkv_a_proj.default(") == 1, "the case the tiles cannot serve"
 
 
 # Shapes the AMX tiles serve (quantized_gemm.h: K in whole 64-column chunks, K blocks of whole chunks,
@@ -311,31 +317,10 @@ AMX_CASES = [
 
 def test_quantized_templates_at_shapes_the_amx_tiles_serve():
     """On an AMX CPU these run on the tiles (elsewhere on the FMA and integer tiles, which the test above
-    covers too): one compile with dynamic rows, 1 (decode), 8 and 17 (a whole block of 16 x rows and one
+    covers too): one compile with dynamic rows, 8, 1 (decode) and 17 (a whole block of 16 x rows and one
     more)."""
-    keys = ("x", "q_weight", "kv_weight", "q_norm_weight", "kv_norm_weight", "q_weight_scale", "kv_weight_scale")
-
-    def fn(*flat):
-        outputs = []
-        for i, case in enumerate(AMX_CASES):
-            x, qw, kvw, qn, kvn, qs, kvs = flat[i * len(keys):(i + 1) * len(keys)]
-            outputs.append(op(x, qw, kvw, qn, kvn, 1e-6, 1e-5, q_weight_scale=qs, kv_weight_scale=kvs,
-                              weight_block_size=case[2], activation_quant=case[1]))
-        return outputs
-
-    compiled = torch.compile(fn)
-    for rows in (8, 1, 17):
-        all_args = [quantized_args(case, rows, seed=rows, hidden=192, nq=40, lora=16, rope=8) for case in AMX_CASES]
-        flat = [args[k] for args in all_args for k in keys]
-        for args in all_args:
-            torch._dynamo.maybe_mark_dynamic(args["x"], 0)
-        if rows == 8:
-            outputs, (code,) = run_and_get_code(compiled, *flat)
-            assert code.count("gemm.run(") == 2 * len(AMX_CASES) and "torch.ops.mla" not in code
-        else:
-            outputs = compiled(*flat)
-        for args, out in zip(all_args, outputs):
-            assert_close_to_quantized_reference(out, args)
+    code = compiled_cases_match_the_reference(AMX_CASES, (8, 1, 17), hidden=192, nq=40, lora=16, rope=8)
+    assert code.count("gemm.run(") == 2 * len(AMX_CASES) and "torch.ops.mla" not in code
 
 
 class EveryFiniteE4m3fn(nn.Module):
