@@ -391,6 +391,21 @@ def test_int8_weight_only_weights_reach_the_sums_exactly_for_every_int8_value():
     torch.testing.assert_close(out, torch.cat([expected, expected[:1]]), atol=0, rtol=0)
 
 
+def test_a_nan_in_fp8_weights_reaches_exactly_the_outputs_it_multiplies():
+    """e4m3fn's NaN in weight row 5 (at a shape the AMX tiles serve, whose table maps it to bf16's NaN;
+    the FMA tiles' fp16 route keeps it too): q column 5 is NaN in every row, nothing else is, and the
+    rest equals the op's eager reference."""
+    args = quantized_args(("fp8", "none", [16, 64], torch.bfloat16), 3, hidden=128, nq=32, lora=16, rope=8)
+    args["q_norm_weight"] = None  # a norm would spread the NaN over the row
+    args["q_weight"].view(torch.uint8)[5, 70] = 0x7F
+    fn = functools.partial(op, **{k: v for k, v in args.items() if k != "x"})
+    torch._dynamo.reset()
+    (q, *_), (code,) = run_and_get_code(torch.compile(fn), args["x"])
+    assert "gemm.run(" in code and "torch.ops.mla" not in code
+    assert q[:, 5].isnan().all() and q[:, :5].isfinite().all() and q[:, 6:].isfinite().all()
+    torch.testing.assert_close(q, fn(args["x"])[0], atol=1e-2, rtol=1e-2, equal_nan=True)
+
+
 @pytest.mark.parametrize("slow_subnormals", [False, True])
 def test_fp8_weights_widen_into_fp32_bits_unless_a_nan_or_a_slow_subnormal(slow_subnormals, monkeypatch):
     """segment_gemm.widens_to_fp32_bits on frozen e4m3fn values: never with a NaN; with a subnormal only
