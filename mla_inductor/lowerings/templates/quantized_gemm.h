@@ -3,8 +3,8 @@
 // compiled for an AMX CPU and the weights fit them (amx_serves), else on nt_dot.h's FMA and integer tiles.
 //
 // Why AMX even for a GEMV: the FMA tiles widen every weight to fp32 (widen.h: about four vector ops per
-// 16 fp8 weights before their FMA), which held one row of fp8 A-projections to 69-87% of an AMX Xeon's
-// copy bandwidth and eight rows of every quantized format to 22-27% (compute-bound). On the tiles, W8A8's
+// 16 fp8 weights before their FMA), which held one row of fp8 A-projections to 68-87% of an AMX Xeon's
+// copy bandwidth and eight rows to 22-54% (compute-bound; fp8 the least, W8A8 the most). On the tiles, W8A8's
 // int8 weight rows are multiplied as they lie in memory (tdpbssd: no conversion at all), and weight-only
 // int8 / fp8 weights are converted to bf16 by table, 64 at a time in five ops, after which one
 // tdpbf16ps multiplies 16 weight rows by 32 columns of up to 16 x rows.
@@ -71,7 +71,8 @@ __attribute__((always_inline)) inline void weights_to_bf16x64(const TW* src, c10
   const __m512i index = std::is_same_v<TW, int8_t> ? _mm512_abs_epi8(raw) : raw;
   const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], index, t.lo[1]);
   __m512i hi = _mm512_permutex2var_epi8(t.hi[0], index, t.hi[1]);
-  if constexpr (std::is_same_v<TW, int8_t>) hi = _mm512_mask_mov_epi8(hi, _mm512_movepi8_mask(index), _mm512_set1_epi8(0x43));
+  if constexpr (std::is_same_v<TW, int8_t>)
+    hi = _mm512_mask_mov_epi8(hi, _mm512_movepi8_mask(index), _mm512_set1_epi8(0x43));
   hi = _mm512_ternarylogic_epi32(hi, raw, _mm512_set1_epi8(char(0x80)), 0xF8);  // a | (b & c)
   _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
   _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
