@@ -98,6 +98,7 @@ class MLAPass(CustomGraphPass):
         if quantized:
             quantized_linear.fold(graph)
             quantized_linear.restore(graph)
+        changed = quantized_linear.int_mm_rows_with_a_row_stride(graph) > 0 or changed
         if changed:
             # A multi-output replacement is inserted before the earliest output of its match, which
             # may precede an input defined between the outputs (a lifted eps' cast, say).

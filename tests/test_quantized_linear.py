@@ -526,6 +526,22 @@ def test_deepseek_decode_with_torchao_dynamic_int8_compiled_fires_every_fusion_o
     torch.testing.assert_close(logits, expected_logits, atol=0.15, rtol=0.05)
 
 
+def test_a_one_token_w8a8_linear_compiles_right():
+    """torchao's W8A8 Linear over one token, x of [1, 1, K]: stock Inductor hands `_int_mm` a [1, K]
+    view with row stride 0, which ATen's CPU `_int_mm` takes as its leading dimension (products that
+    change between calls); the backend gives that operand a copy (int_mm_rows_with_a_row_stride)."""
+    linear = torch.nn.Sequential(torch.nn.Linear(512, 256, bias=False)).to(torch.bfloat16)
+    quantize_(linear, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    x = torch.randn(1, 1, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = linear(x)
+        compiled = torch.compile(linear, backend="mla_inductor")
+        first, second = compiled(x), compiled(x)
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first, expected, atol=2e-2, rtol=2e-2)
+
+
 @pytest.fixture(scope="module")
 def deepseek_w8a8():
     config = get_config("tiny", num_layers=1)

@@ -535,6 +535,29 @@ def int8_weight_only(weights: dict[str, Node]) -> bool:
         for node in dequantized)
 
 
+def int_mm_rows_with_a_row_stride(graph: Graph) -> int:
+    """Gives the first operand of every one-row `aten._int_mm` a copy of its own; returns how many.
+
+    ATen's CPU _int_mm takes the row stride of its [1, K] operand as the GEMM's leading dimension, and
+    Inductor passes the quantized x of a [1, 1, K] (one token) W8A8 Linear as a [1, K] view with row
+    stride 0, valid for a size-1 dimension: the products came out as garbage, different on every call,
+    in stock torch.compile too (torchao's Int8DynamicActivationInt8WeightConfig at one token). A copy is
+    a buffer of its own with contiguous strides, K bytes."""
+    copied = 0
+    for node in list(graph.nodes):
+        if node.target is not aten._int_mm.default:
+            continue
+        x = node.args[0]
+        if not isinstance(x, Node) or x.target is aten.clone.default or x.meta["val"].shape[0] != 1:
+            continue
+        with graph.inserting_before(node):
+            copy = graph.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+        copy.meta = dict(x.meta, val=x.meta["val"].clone(memory_format=torch.contiguous_format))
+        node.replace_input_with(x, copy)
+        copied += 1
+    return copied
+
+
 def on_amx_tiles(weights: dict[str, Node], activation_dtype: torch.dtype) -> bool:
     """Whether these weight nodes are quantized in a way quantized_gemm.h's AMX tiles serve (its
     amx_serves): K in whole 64-column chunks up to 2^16, K blocks of whole chunks over blocks of 16-row
