@@ -81,6 +81,16 @@ def widens_to_fp32_bits(weight: torch.Tensor) -> bool:
 QUANTIZED_GEMM_HEADERS = ("amx_tiles.h", "quantized_gemm.h")
 
 
+def amx_tiles_serve(k: int, weight_block_size, weight_only: bool, activation_dtype: torch.dtype) -> bool:
+    """Whether quantized_gemm.h's AMX tiles serve a quantized weight of `k` columns (its amx_serves): K in
+    whole 64-column chunks up to 2^16 (W8A8's int32 sums stay exact), K blocks of whole chunks over row
+    blocks of multiples of 16, and bf16 activations for weight-only int8 / fp8 (the tiles multiply bf16)."""
+    if k % 64 or k > 2**16 or (weight_only and activation_dtype != torch.bfloat16):
+        return False
+    return weight_block_size is None or weight_block_size[1] >= k or (
+        weight_block_size[1] % 64 == 0 and weight_block_size[0] % 16 == 0)
+
+
 def quantized_weights(scale, weight_block_size, activation_quant, *weights) -> Optional[dict]:
     """How a template reads its int8 / fp8 `weights` (a weight with a scale streams as it is, one byte
     an element, never packed), or None for weights in the activation dtype. `finite_e4m3fn`: they are

@@ -44,6 +44,7 @@ import torch
 from torch.fx import Graph, Node
 
 from .. import isa
+from ..lowerings.segment_gemm import amx_tiles_serve
 from ..ops.weight_quant import ACTIVATION_QUANT, QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows
 from .contraction import Decline, Emitter
 
@@ -559,22 +560,14 @@ def int_mm_rows_with_a_row_stride(graph: Graph) -> int:
 
 
 def on_amx_tiles(weights: dict[str, Node], activation_dtype: torch.dtype) -> bool:
-    """Whether these weight nodes are quantized in a way quantized_gemm.h's AMX tiles serve (its
-    amx_serves): K in whole 64-column chunks up to 2^16, K blocks of whole chunks over blocks of 16-row
-    multiples, and bf16 activations for weight-only int8 / fp8 (the tiles multiply bf16)."""
+    """Whether these weight nodes are all quantized, as quantized_gemm.h's AMX tiles serve
+    (segment_gemm.amx_tiles_serve)."""
     dequantized = [_dequantized(node) for node in weights.values()]
     if not dequantized or None in dequantized:
         return False
-    for node in dequantized:
-        weight, _, block_size, _ = node.args
-        k = weight.meta["val"].shape[1]
-        if not isinstance(k, int) or k % 64 or k > 2**16:
-            return False
-        if block_size is not None and block_size[1] < k and (block_size[1] % 64 or block_size[0] % 16):
-            return False
-        if _activation_quant(node) == "none" and activation_dtype != torch.bfloat16:
-            return False
-    return True
+    return all(isinstance(k := node.args[0].meta["val"].shape[1], int)
+               and amx_tiles_serve(k, node.args[2], _activation_quant(node) == "none", activation_dtype)
+               for node in dequantized)
 
 
 def _activation_quant(dequantized: Node) -> str:

@@ -79,11 +79,12 @@ __attribute__((always_inline)) inline void weights_to_bf16x64(const TW* src, c10
 }
 
 // x's rows as B operands, packed once per call: per block of kAmxRows rows (`rows` of them, the last
-// block fewer), per 64 columns, dword j of row r at [j * rows + r]. bf16 rows: dword j is the pair of
-// columns converted_column(2j), + 1, 32 dwords a chunk; int8 rows: columns 4j..4j+3, 16 a chunk.
-inline void pack_row_bf16_pairs(const float* q, int64_t K, int r, int rows, uint32_t* block) {
+// block fewer), dword j of row r at [j * rows + r]. bf16 rows (from x itself, or fp8 levels held in fp32):
+// per 64 columns, dword j is the pair of columns converted_column(2j), + 1; int8 rows: columns 4j..4j+3.
+template <typename T>
+inline void pack_row_bf16_pairs(const T* q, int64_t K, int r, int rows, uint32_t* block) {
   for (int64_t c = 0; c < K / kAmxChunk; ++c, block += 32 * rows) {
-    const float* chunk = q + c * kAmxChunk;
+    const T* chunk = q + c * kAmxChunk;
     for (int j = 0; j < 32; ++j) {
       const int64_t k = converted_column(2 * j);
       const uint32_t first = c10::BFloat16(chunk[k]).x, second = c10::BFloat16(chunk[k + 1]).x;
@@ -96,7 +97,7 @@ inline void pack_row_int8_quads(const QuantizedInt8* q, int64_t K, int r, int ro
   for (int64_t j = 0; j < K / 4; ++j) {
     uint32_t quad = 0;
     for (int i = 0; i < 4; ++i) quad |= uint32_t(uint8_t(int8_t(q[4 * j + i]))) << (8 * i);
-    block[j / 16 * 16 * rows + j % 16 * rows + r] = quad;
+    block[j * rows + r] = quad;
   }
 }
 
@@ -161,8 +162,9 @@ inline void amx_tile_bf16(const TW* w, int64_t ldw, int nr, int64_t K, const uin
 // last task of fewer than 16 rows), multiplied with x's int8 quads in int32.
 inline void amx_tile_int8(const int8_t* w, int64_t ldw, int nr, int64_t K, const uint32_t* xp, int rows,
                           float* sums) {
-  alignas(64) int8_t tail[2][kAmxWeightRows * kAmxChunk] = {};
+  alignas(64) int8_t tail[2][kAmxWeightRows * kAmxChunk];
   alignas(64) int32_t c[2][kAmxWeightRows * kAmxRows];
+  if (nr < kAmxWeightRows) std::memset(tail, 0, sizeof(tail));  // rows past the weight's end stay zero
   // the A operand of columns [k, k + 64): the weight rows in place, or their copy into tail[t]
   const auto weight_rows = [&](int64_t k, int t) __attribute__((always_inline)) {
     if (nr == kAmxWeightRows) return w + k;
@@ -204,7 +206,9 @@ class QuantizedGemm {
 
   // `weights`: the scales of every weight the tasks will read (amx_serves).
   QuantizedGemm(int64_t M, int64_t K, std::initializer_list<WeightScales> weights)
-      : M_(M), K_(K), amx_(amx_serves(K, weights)), rows_(new Row[M * K]), row_scales_(new float[M]) {
+      : M_(M), K_(K), amx_(amx_serves(K, weights)), row_scales_(new float[M]) {
+    // quantized rows, and widened ones for the FMA tiles (the AMX tiles pack weight-only x as it is)
+    if (!amx_ || scheme != ActivationQuant::kNone) rows_.reset(new Row[M * K]);
 #if defined(MLA_INDUCTOR_AMX) && defined(__AMX_INT8__)
     if (amx_) {
       packed_.reset(new uint32_t[M * dwords_per_row()]);
@@ -215,17 +219,24 @@ class QuantizedGemm {
 
   // Quantizes (or widens) x's row m, and packs it for the tiles; once per row, from any thread.
   void prepare_row(int64_t m, const TX* x, float static_scale) {
-    Row* row = rows_.get() + m * K_;
-    row_scales_[m] = quantize_row<scheme>(x, K_, row, static_scale);
 #if defined(MLA_INDUCTOR_AMX) && defined(__AMX_INT8__)
     if (amx_) {
       const int64_t m0 = m / kAmxRows * kAmxRows;
       const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M_ - m0));
       uint32_t* block = packed_.get() + m0 * dwords_per_row();
-      if constexpr (is_int8_scheme<scheme>) pack_row_int8_quads(row, K_, m - m0, rows, block);
-      else pack_row_bf16_pairs(row, K_, m - m0, rows, block);
+      if constexpr (scheme == ActivationQuant::kNone) {  // bf16 x as it is (kAmxTypes)
+        row_scales_[m] = 1.f;
+        pack_row_bf16_pairs(x, K_, m - m0, rows, block);
+      } else {
+        Row* row = rows_.get() + m * K_;
+        row_scales_[m] = quantize_row<scheme>(x, K_, row, static_scale);
+        if constexpr (is_int8_scheme<scheme>) pack_row_int8_quads(row, K_, m - m0, rows, block);
+        else pack_row_bf16_pairs(row, K_, m - m0, rows, block);
+      }
+      return;
     }
 #endif
+    row_scales_[m] = quantize_row<scheme>(x, K_, rows_.get() + m * K_, static_scale);
   }
 
   int64_t tasks(int64_t N) const {
