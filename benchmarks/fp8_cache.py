@@ -7,14 +7,17 @@ default; at least 8 and 16 layers):
 - gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128;
   16 MiB of bf16 K and V a layer at 4096 rows);
 - latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22),
-  latent rows of 512 + 64, blocks of 16, W_vc de-absorption (4.5 MiB of bf16 cache a layer).
+  latent rows of 512 + 64, blocks of 16 (4.5 MiB of bf16 cache a layer), returning the latent output
+  as SGLang's and vLLM's MLA decode kernels do. `--w-vc` adds the W_vc de-absorption: its 2.75 MiB a
+  layer are read whatever the cache's format, so they count in the bytes read and cap what an fp8 cache
+  can gain (1.45x at 4096 rows).
 Each compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's) and
 an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
-throughput of the roofline: max(cache bytes / copy bandwidth, FLOPs / the GEMM the kernel's products run
+throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products run
 as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles take it
 (16 or more heads per cached row on an AMX CPU). Prints medians; asserts nothing.
 
-    python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096]
+    python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096] [--w-vc]
 """
 
 import argparse
@@ -61,14 +64,18 @@ def latent_step(args, dtype):
     block_tables, num_blocks = make_block_tables(1, args.context, block_size, seed=0)
     q = torch.randn(1, heads, lora + rope).bfloat16()
     caches = [quantized(torch.randn(num_blocks, block_size, lora + rope), dtype, (-1,)) for _ in range(layers)]
-    w_vcs = [(torch.randn(heads, v_head_dim, lora) * lora**-0.5).bfloat16() for _ in range(layers)]
+    w_vcs = [(torch.randn(heads, v_head_dim, lora) * lora**-0.5).bfloat16() if args.w_vc else None
+             for _ in range(layers)]
     seq_lens = torch.tensor([args.context])
     fn = torch.compile(lambda q, c, s, w: torch.ops.mla.latent_decode_attention(
         q, c, block_tables, seq_lens, lora, 0.1, w_vc=w, kv_scale=s), backend="mla_inductor", dynamic=False)
     row_bytes = (lora + rope) * caches[0][0].element_size()
-    cache_bytes = layers * args.context * row_bytes
+    bytes_read = layers * args.context * row_bytes
     flops = layers * heads * args.context * 2 * (lora + rope + lora)
-    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), cache_bytes, flops, layers, heads
+    if args.w_vc:
+        bytes_read += sum(w.nbytes for w in w_vcs)
+        flops += layers * heads * 2 * v_head_dim * lora
+    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), bytes_read, flops, layers, heads
 
 
 def bench(name, make_step, args):
@@ -92,10 +99,10 @@ def bench(name, make_step, args):
           f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s; fp8 caches' roof: {fp8_roof}; {benchmarking.machine_line()}")
     print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline |")
     print("|---|---|---|---|---|---|")
-    for label, (_, cache_bytes, flops, *_) in steps.items():
+    for label, (_, bytes_read, flops, *_) in steps.items():
         compute = flops / (roof["bf16"] if label == "bf16" else roof[fp8_roof])
-        roofline = max(cache_bytes / bandwidth, compute)
-        print(f"| {label} | {cache_bytes / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
+        roofline = max(bytes_read / bandwidth, compute)
+        print(f"| {label} | {bytes_read / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
               f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} |", flush=True)
     torch._dynamo.reset()
 
@@ -106,13 +113,14 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--gqa-layers", type=int, help="16 MiB of bf16 K and V each at 4096 rows (default: past the L3)")
     p.add_argument("--latent-layers", type=int, help="4.5 MiB of bf16 cache each at 4096 rows (default: past the L3)")
+    p.add_argument("--w-vc", action="store_true", help="the latent step de-absorbs its output with W_vc")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     benchmarking.fresh_compiles()
     if "gqa" in args.part:
         bench("gqa: 32 query over 8 key/value heads of 128", gqa_step, args)
     if "latent" in args.part:
-        bench("latent: 22 heads, rows of 512 + 64, blocks of 16, W_vc", latent_step, args)
+        bench(f"latent: 22 heads, rows of 512 + 64, blocks of 16{', W_vc' if args.w_vc else ''}", latent_step, args)
 
 
 if __name__ == "__main__":
