@@ -85,6 +85,7 @@ def main():
                                                      cache, args.march)
         cases = []  # (variant, part, cache, residency, threads, caches, calls)
         for (v, part, cache), binary in binaries.items():
+            # caches enough for twice the last-level cache in fp8 (as fp8_cache.py's stacks)
             past = math.ceil(2 * benchmarking.last_level_cache_bytes() / (ROWS * row_bytes(part, "e4m3")))
             for threads in args.threads:
                 tasks = 1 if threads == 1 else 8
@@ -101,7 +102,7 @@ def main():
     for case, values in times.items():
         v, part, cache, residency, threads, *_ = case
         ns = statistics.median(values)
-        print(f"| {args.templates[v].name if len(args.templates) > 1 else v} | {part} | {cache} | {residency} | "
+        print(f"| {args.templates[v].name} | {part} | {cache} | {residency} | "
               f"{threads} | {ns:.1f} | {row_bytes(part, cache) / ns:.1f} |", flush=True)
 
 
