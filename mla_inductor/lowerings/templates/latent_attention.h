@@ -765,20 +765,24 @@ struct AmxTask {
   static constexpr int kHeads = 16 * kGroups;
   static constexpr int kSteps = (D + 31) / 32;
   static constexpr int64_t kColumns = 32 * kSteps;
+  // Row strides of the P.V operands, 64 bytes past a multiple of 4 KiB apart otherwise (2 KiB at 512
+  // latent columns): a tile's 16 rows would then fall in two of the L1's 64 sets.
+  static constexpr int64_t kPairStride = 2 * L + 32;  // bf16 elements from one pair of value rows to the next
+  static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
   c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][16 heads][2]
   c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
-  c10::BFloat16* values;  // [kKvBlock / 2][2 L]: the block's value rows, pairs interleaved
+  c10::BFloat16* values;  // [kKvBlock / 2][kPairStride]: the block's value rows, pairs interleaved
   c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
   float* scores;          // [16][kHeads]: one row tile's scores
   c10::BFloat16* p;       // [kHeads][kKvBlock]
-  float* o;               // [kHeads][L], columns as interleave_rows leaves them
+  float* o;               // [kHeads][kOStride], columns as interleave_rows leaves them
 
   AmxTask(const c10::BFloat16* query, int64_t ldq) {
-    constexpr int64_t q_elems = kGroups * kSteps * 512, keys_elems = 16 * kColumns, values_elems = kKvBlock * L;
+    constexpr int64_t q_elems = kGroups * kSteps * 512, keys_elems = 16 * kColumns, values_elems = kKvBlock / 2 * kPairStride;
     constexpr int64_t bf16_elems = q_elems + keys_elems + values_elems + 2 * L + kHeads * kKvBlock;
-    float* scratch = thread_scratch((bf16_elems + 1) / 2 + 16 * kHeads + kHeads * L);
+    float* scratch = thread_scratch((bf16_elems + 1) / 2 + 16 * kHeads + kHeads * kOStride);
     o = scratch;
-    scores = o + kHeads * L;
+    scores = o + kHeads * kOStride;
     q = reinterpret_cast<c10::BFloat16*>(scores + 16 * kHeads);
     keys = q + q_elems;
     values = keys + keys_elems;
@@ -822,7 +826,7 @@ inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, 
       first = t.pair;
       second = t.pair + L;
     }
-    interleave_rows(first, second, L, t.values + (n0 + i) * L);
+    interleave_rows(first, second, L, t.values + (n0 + i) / 2 * AmxTask<H, D, L>::kPairStride);
   }
 }
 
@@ -888,7 +892,8 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
   }
   // past the last row tile the block's value pairs are zeros (p is zero there too; 0 x NaN is not)
   const int packed = (n + 15) / 16 * 16;
-  std::memset(t.values + packed * L, 0, (kKvBlock - packed) * L * sizeof(c10::BFloat16));
+  std::memset(t.values + packed / 2 * Task::kPairStride, 0,
+              (kKvBlock - packed) / 2 * Task::kPairStride * sizeof(c10::BFloat16));
 }
 
 // p's columns past the block's n rows (softmax_step wrote them up to an even count) are zeros, and an
@@ -911,11 +916,11 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
   if (alpha != nullptr) {
     for (int h = 0; h < H; ++h) {
       if (alpha[h] == 1.f) continue;  // the common case once the running max has settled
-      float* row = t.o + h * L;
+      float* row = t.o + h * Task::kOStride;
       for (int64_t c = 0; c < L; c += Vec::size()) (Vec::loadu(row + c) * Vec(alpha[h])).store(row + c);
     }
   }
-  constexpr int64_t kPairRowBytes = 4 * L;  // one interleaved pair of value rows
+  constexpr int64_t kPairRowBytes = 2 * Task::kPairStride;
   for (int g = 0; g < Task::kGroups; ++g) {
     const c10::BFloat16* pg = t.p + g * 16 * kKvBlock;
     _tile_loadd(2, pg, kKvBlock * 2);
@@ -923,12 +928,12 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
     _tile_loadd(4, pg + 64, kKvBlock * 2);
     _tile_loadd(5, pg + 96, kKvBlock * 2);
     for (int64_t ct = 0; ct < L / 16; ++ct) {
-      float* o = t.o + g * 16 * L + ct * 16;
+      float* o = t.o + g * 16 * Task::kOStride + ct * 16;
       const char* v = reinterpret_cast<const char*>(t.values + ct * 32);
       if (alpha == nullptr) {
         _tile_zero(0);
       } else {
-        _tile_loadd(0, o, L * 4);
+        _tile_loadd(0, o, Task::kOStride * 4);
       }
       _tile_loadd(1, v, kPairRowBytes);
       _tile_loadd(6, v + 16 * kPairRowBytes, kPairRowBytes);
@@ -938,7 +943,7 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
       _tile_loadd(1, v + 48 * kPairRowBytes, kPairRowBytes);
       _tile_dpbf16ps(0, 4, 7);
       _tile_dpbf16ps(0, 5, 1);
-      _tile_stored(0, o, L * 4);
+      _tile_stored(0, o, Task::kOStride * 4);
     }
   }
 }
@@ -1193,7 +1198,8 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 #if defined(MLA_INDUCTOR_AMX)
   if constexpr (kAmx) {
     _tile_release();
-    if (!first) std::copy(amx->o, amx->o + H * L, st.o);
+    if (!first)
+      for (int h = 0; h < H; ++h) std::copy_n(amx->o + h * AmxTask<H, D, L>::kOStride, L, st.o + h * L);
   }
 #endif
 }
