@@ -771,6 +771,8 @@ struct AmxTask {
   static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
   c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][16 heads][2]
   c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
+  const c10::BFloat16* tile_keys;  // the row tile's keys for the score tiles: keys, or the cache's rows
+  int64_t tile_keys_stride;        // bytes
   c10::BFloat16* values;  // [kKvBlock / 2][kPairStride]: the block's value rows, pairs interleaved
   c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
   float* scores;          // [16][kHeads]: one row tile's scores
@@ -804,14 +806,38 @@ inline const C* row_or_zeros(const C* const* rows, int i, int n, const C* zeros)
   return i < n ? rows[i] : zeros;
 }
 
-// Rows [n0, n0 + 16) of the block in bf16: the keys as the A operand of the scores, and the values as
-// pairs interleaved for the P.V of the block (latent rows: the keys' first L columns, read back from
-// L1). (Tile loads straight from a bf16 cache's rows, where 16 are consecutive, measured 1.6x slower
-// than this copy: a tile load from L2 waits on every line.)
+// Rows [n0, n0 + 16) of the block in bf16: the keys as the A operand of the scores (t.tile_keys), and
+// the values as pairs interleaved for the P.V of the block (latent rows: the keys' first L columns).
 template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
 inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n0, int n,
                               const C* zeros) {
   constexpr int64_t D = D1 + D2, kColumns = AmxTask<H, D, L>::kColumns;
+  // A bf16 latent row tile that lies at one stride in the cache (one page of a paged cache, or a dense
+  // one) is not copied: the value pairs are interleaved from the cache's rows, which brings their first
+  // L columns into L1 (the rest is prefetched there), and the score tiles load the keys in place.
+  // 227 -> 211 ns a row in L3, 384 -> 357 from memory (benchmarks/attend_split.py's harness). (Tile
+  // loads from rows in L2, not touched first, measured 1.6x slower than the copy: a tile load from L2
+  // waits on every line.)
+  if constexpr (std::is_same_v<C, c10::BFloat16> && D2 == 0 && D == kColumns) {
+    const C* const* rows = b.key.rows + n0;
+    const int64_t stride = rows[1] - rows[0];
+    bool one_stride = !b.own_values && n0 + 16 <= n && stride >= D;
+    for (int i = 2; one_stride && i < 16; ++i) one_stride = rows[i] == rows[0] + i * stride;
+    if (one_stride) {
+      for (int i = 0; i < 16; i += 2) {
+        for (int64_t c = L; c < D; c += 32) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows[i] + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(rows[i + 1] + c), _MM_HINT_T0);
+        }
+        interleave_rows(rows[i], rows[i + 1], L, t.values + (n0 + i) / 2 * AmxTask<H, D, L>::kPairStride);
+      }
+      t.tile_keys = rows[0];
+      t.tile_keys_stride = stride * 2;
+      return;
+    }
+  }
+  t.tile_keys = t.keys;
+  t.tile_keys_stride = kColumns * 2;
   for (int i = 0; i < 16; ++i) {
     c10::BFloat16* key = t.keys + i * kColumns;
     row_to_bf16(row_or_zeros(b.key.rows, n0 + i, n, zeros), D1, key);
@@ -914,7 +940,7 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
           rope_ahead.step(ks, Task::kSteps);
           values_ahead.step(ks, Task::kSteps);
         }
-        _tile_loadd(2, t.keys + ks * 32, Task::kColumns * 2);
+        _tile_loadd(2, t.tile_keys + ks * 32, t.tile_keys_stride);
         _tile_loadd(3, qg + ks * 512, 64);
         _tile_dpbf16ps(0, 2, 3);
         if (two) {
