@@ -765,8 +765,8 @@ struct AmxTask {
   static constexpr int kHeads = 16 * kGroups;
   static constexpr int kSteps = (D + 31) / 32;
   static constexpr int64_t kColumns = 32 * kSteps;
-  // Row strides of the P.V operands, 64 bytes past a multiple of 4 KiB apart otherwise (2 KiB at 512
-  // latent columns): a tile's 16 rows would then fall in two of the L1's 64 sets.
+  // Row strides of the P.V operands, padded by 64 bytes: unpadded they are 2 KiB at 512 latent columns,
+  // which puts a tile's 16 rows in two of the L1's 64 sets (3-4% of a latent row, docs/mla_decode.md).
   static constexpr int64_t kPairStride = 2 * L + 32;  // bf16 elements from one pair of value rows to the next
   static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
   c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][16 heads][2]
@@ -820,8 +820,9 @@ inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, 
   // waits on every line.)
   if constexpr (std::is_same_v<C, c10::BFloat16> && D2 == 0 && D == kColumns) {
     const C* const* rows = b.key.rows + n0;
-    const int64_t stride = rows[1] - rows[0];
-    bool one_stride = !b.own_values && n0 + 16 <= n && stride >= D;
+    bool one_stride = !b.own_values && n0 + 16 <= n;  // (rows[n] is the pad row, in no cache)
+    const int64_t stride = one_stride ? rows[1] - rows[0] : 0;
+    one_stride = one_stride && stride >= D;
     for (int i = 2; one_stride && i < 16; ++i) one_stride = rows[i] == rows[0] + i * stride;
     if (one_stride) {
       for (int i = 0; i < 16; i += 2) {
@@ -832,12 +833,12 @@ inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, 
         interleave_rows(rows[i], rows[i + 1], L, t.values + (n0 + i) / 2 * AmxTask<H, D, L>::kPairStride);
       }
       t.tile_keys = rows[0];
-      t.tile_keys_stride = stride * 2;
+      t.tile_keys_stride = stride * int64_t(sizeof(C));
       return;
     }
   }
   t.tile_keys = t.keys;
-  t.tile_keys_stride = kColumns * 2;
+  t.tile_keys_stride = kColumns * int64_t(sizeof(c10::BFloat16));
   for (int i = 0; i < 16; ++i) {
     c10::BFloat16* key = t.keys + i * kColumns;
     row_to_bf16(row_or_zeros(b.key.rows, n0 + i, n, zeros), D1, key);
