@@ -753,11 +753,12 @@ inline void prepare_attention() {
 // (kHeads), key columns to whole 32-column steps (kColumns); the padding is zeros.
 //   scores: S^T = K . Q^T per row tile of 16 rows: A = the rows converted to bf16, B = the query in
 //           VNNI pairs, packed once per task; C = 16 rows x 16 heads, two head groups at a time.
-//   P.V:    O += P . V per head group: A = p (16 heads x 32 rows, four tiles for a block of 128 rows,
-//           resident while the group's column tiles pass), B = value rows interleaved in pairs, C = 16
-//           heads x 16 columns of o, loaded and stored per block.
-// Tiles: scores 0-1 (C), 2 (A), 3-4 (B); P.V 0 (C), 2-5 (A), 1, 6, 7 (B). (Twice the independent
-// accumulators, two row tiles at a time in the scores and two column tiles in P.V, measured the same.)
+//   P.V:    O += P . V, two head groups at a time: A = p (16 heads x 32 rows; the first group's four
+//           tiles for a block of 128 rows resident while the column tiles pass, the second group's
+//           loaded per step), B = value rows interleaved in pairs (each tile loaded once for both
+//           groups), C = 16 heads x 16 columns of o, loaded and stored per block.
+// Tiles: scores 0-1 (C), 2 (A), 3-4 (B); P.V 0, 7 (C), 2-5, 6 (A), 1 (B). (Two row tiles at a time in
+// the scores, and two column tiles in P.V, measured the same or slower.)
 template <int H, int64_t D, int64_t L>
 struct AmxTask {
   static_assert(kKvBlock == 128, "P.V keeps a block's four 32-row steps of p in tiles 2-5");
@@ -987,7 +988,10 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
     }
   }
   constexpr int64_t kPairRowBytes = 2 * Task::kPairStride;
-  for (int g = 0; g < Task::kGroups; ++g) {
+  // Head groups in pairs: the first group's probabilities stay in tiles 2-5, the second's are loaded
+  // per step (tile 6, from L1), so that each value tile (tile 1, from L2) is loaded once for both.
+  for (int g = 0; g < Task::kGroups; g += 2) {
+    const bool two = g + 1 < Task::kGroups;
     const c10::BFloat16* pg = t.p + g * 16 * kKvBlock;
     _tile_loadd(2, pg, kKvBlock * 2);
     _tile_loadd(3, pg + 32, kKvBlock * 2);
@@ -998,18 +1002,33 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
       const char* v = reinterpret_cast<const char*>(t.values + ct * 32);
       if (alpha == nullptr) {
         _tile_zero(0);
+        if (two) _tile_zero(7);
       } else {
         _tile_loadd(0, o, Task::kOStride * 4);
+        if (two) _tile_loadd(7, o + 16 * Task::kOStride, Task::kOStride * 4);
       }
+      // per 32 rows of the block: the value tile, the first group's product, the second group's
+      // probabilities and product (tile numbers are immediates: the steps are written out)
+      const auto second_group = [&](int ks) __attribute__((always_inline)) {
+        if (two) {
+          _tile_loadd(6, pg + 16 * kKvBlock + 32 * ks, kKvBlock * 2);
+          _tile_dpbf16ps(7, 6, 1);
+        }
+      };
       _tile_loadd(1, v, kPairRowBytes);
-      _tile_loadd(6, v + 16 * kPairRowBytes, kPairRowBytes);
       _tile_dpbf16ps(0, 2, 1);
-      _tile_loadd(7, v + 32 * kPairRowBytes, kPairRowBytes);
-      _tile_dpbf16ps(0, 3, 6);
+      second_group(0);
+      _tile_loadd(1, v + 16 * kPairRowBytes, kPairRowBytes);
+      _tile_dpbf16ps(0, 3, 1);
+      second_group(1);
+      _tile_loadd(1, v + 32 * kPairRowBytes, kPairRowBytes);
+      _tile_dpbf16ps(0, 4, 1);
+      second_group(2);
       _tile_loadd(1, v + 48 * kPairRowBytes, kPairRowBytes);
-      _tile_dpbf16ps(0, 4, 7);
       _tile_dpbf16ps(0, 5, 1);
+      second_group(3);
       _tile_stored(0, o, Task::kOStride * 4);
+      if (two) _tile_stored(7, o + 16 * Task::kOStride, Task::kOStride * 4);
     }
   }
 }
