@@ -213,6 +213,7 @@ def run_template(fn, *args, **kwargs):
         (1, 22, [888], 1, torch.bfloat16),
         (4, 22, [1024] * 4, 16, torch.bfloat16),
         (2, 32, [300, 129], 16, torch.bfloat16),  # head tiles past the fourth take no share of the prefetch
+        (2, 40, [300, 129], 16, torch.bfloat16),  # on AMX tiles three groups of 14 heads, the last with 12
         # each block size once, each dtype (block size and dtype meet nowhere in the kernel)
         *[(8, 16, [1, 15, 16, 17, 64, 100, 33, 7], bs, dt)
           for bs, dt in ((1, torch.bfloat16), (16, torch.float32), (64, torch.bfloat16))],

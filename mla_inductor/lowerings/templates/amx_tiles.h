@@ -57,6 +57,16 @@ inline void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// Tiles 0-7 of rows[t] rows of bytes[t] bytes (a kernel whose operands are narrower than the tiles).
+inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = bytes[t];
+    config.rows[t] = rows[t];
+  }
+  _tile_loadconfig(&config);
+}
+
 // Byte -> bf16 by table: the bf16 bits of 128 values, low and high bytes in two 128-byte tables that
 // two vpermi2b look up 64 values at a time (vpermi2b reads an index's low 7 bits).
 struct Bf16Table {

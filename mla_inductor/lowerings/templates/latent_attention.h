@@ -749,45 +749,52 @@ inline void prepare_attention() {
 }
 
 #if defined(MLA_INDUCTOR_AMX)
-// One task's operands on AMX tiles, in its thread's scratch. Heads are padded to whole tiles of 16
-// (kHeads), key columns to whole 32-column steps (kColumns); the padding is zeros.
+// One task's operands on AMX tiles, in its thread's scratch. Heads are split into kGroups groups of
+// kGroupHeads (22: two of 11), key columns padded to whole 32-column steps (kColumns); the padding is
+// zeros. A group's tiles are configured to its heads: columns of the scores' B and C tiles, rows of
+// P.V's A and C tiles (the two passes configure their tiles each).
 //   scores: S^T = K . Q^T per row tile of 16 rows: A = the rows converted to bf16, B = the query in
-//           VNNI pairs, packed once per task; C = 16 rows x 16 heads, two head groups at a time.
+//           VNNI pairs, packed once per task; C = 16 rows x a group's heads, two groups at a time.
 //   P.V:    O += P . V, two head groups at a time: A = p (16 heads x 32 rows; the first group's four
 //           tiles for a block of 128 rows resident while the column tiles pass, the second group's
 //           loaded per step), B = value rows interleaved in pairs (each tile loaded once for both
-//           groups), C = 16 heads x 16 columns of o, loaded and stored per block.
+//           groups), C = a group's heads x 16 columns of o, loaded and stored per block.
 // Tiles: scores 0-1 (C), 2 (A), 3-4 (B); P.V 0, 7 (C), 2-5, 6 (A), 1 (B). (Two row tiles at a time in
 // the scores, and two column tiles in P.V, measured the same or slower.)
 template <int H, int64_t D, int64_t L>
 struct AmxTask {
   static_assert(kKvBlock == 128, "P.V keeps a block's four 32-row steps of p in tiles 2-5");
   static constexpr int kGroups = (H + 15) / 16;
-  static constexpr int kHeads = 16 * kGroups;
+  // Fewer heads than 16 in a group leave the tiles narrower: 22 heads padded to 32 loaded and stored
+  // 45% more bytes of the query, the scores, p and o than two groups of 11.
+  static constexpr int kGroupHeads = (H + kGroups - 1) / kGroups;
+  static constexpr int kHeads = kGroups * kGroupHeads;
+  static constexpr int64_t kQueryTile = 32 * kGroupHeads;  // bf16 elements: one group's query for one step
+  static constexpr int64_t kScoresStride = kHeads + 16;    // floats: transposing the last group reads 16
   static constexpr int kSteps = (D + 31) / 32;
   static constexpr int64_t kColumns = 32 * kSteps;
   // Row strides of the P.V operands, padded by 64 bytes: unpadded they are 2 KiB at 512 latent columns,
   // which puts a tile's 16 rows in two of the L1's 64 sets (3-4% of a latent row, docs/mla_decode.md).
   static constexpr int64_t kPairStride = 2 * L + 32;  // bf16 elements from one pair of value rows to the next
   static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
-  c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][16 heads][2]
+  c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][kGroupHeads][2]
   c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
   const c10::BFloat16* tile_keys;  // the row tile's keys for the score tiles: keys, or the cache's rows
   int64_t tile_keys_stride;        // bytes
   c10::BFloat16* values;  // [kKvBlock / 2][kPairStride]: the block's value rows, pairs interleaved
   c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
-  float* scores;          // [16][kHeads]: one row tile's scores
+  float* scores;          // [16][kScoresStride]: one row tile's scores
   c10::BFloat16* p;       // [kHeads][kKvBlock]
   float* o;               // [kHeads][kOStride], columns as interleave_rows leaves them
 
   AmxTask(const c10::BFloat16* query, int64_t ldq) {
-    constexpr int64_t q_elems = kGroups * kSteps * 512, keys_elems = 16 * kColumns;
+    constexpr int64_t q_elems = kGroups * kSteps * kQueryTile, keys_elems = 16 * kColumns;
     constexpr int64_t values_elems = kKvBlock / 2 * kPairStride;
     constexpr int64_t bf16_elems = q_elems + keys_elems + values_elems + 2 * L + kHeads * kKvBlock;
-    float* scratch = thread_scratch((bf16_elems + 1) / 2 + 16 * kHeads + kHeads * kOStride);
+    float* scratch = thread_scratch((bf16_elems + 1) / 2 + 16 * kScoresStride + kHeads * kOStride);
     o = scratch;
     scores = o + kHeads * kOStride;
-    q = reinterpret_cast<c10::BFloat16*>(scores + 16 * kHeads);
+    q = reinterpret_cast<c10::BFloat16*>(scores + 16 * kScoresStride);
     keys = q + q_elems;
     values = keys + keys_elems;
     pair = values + values_elems;
@@ -795,8 +802,19 @@ struct AmxTask {
     std::memset(q, 0, q_elems * sizeof(c10::BFloat16));
     for (int h = 0; h < H; ++h)
       for (int64_t k = 0; k < D; ++k)
-        q[((h / 16) * kSteps + k / 32) * 512 + (k % 32) / 2 * 32 + (h % 16) * 2 + k % 2] = query[h * ldq + k];
+        q[((h / kGroupHeads) * kSteps + k / 32) * kQueryTile + (k % 32) / 2 * 2 * kGroupHeads +
+          (h % kGroupHeads) * 2 + k % 2] = query[h * ldq + k];
     std::memset(p, 0, kHeads * kKvBlock * sizeof(c10::BFloat16));
+  }
+  // scores: C 0, 1 and B 3, 4 a group's heads wide, A 2 whole; P.V: C 0, 7 and A 2-6 a group's heads
+  // high, B 1 whole.
+  static void configure_scores() {
+    constexpr uint16_t kWide = 4 * kGroupHeads;
+    configure_tiles({16, 16, 16, 16, 16, 16, 16, 16}, {kWide, kWide, 64, kWide, kWide, 64, 64, 64});
+  }
+  static void configure_pv() {
+    constexpr uint8_t kHigh = kGroupHeads;
+    configure_tiles({kHigh, 16, kHigh, kHigh, kHigh, kHigh, kHigh, kHigh}, {64, 64, 64, 64, 64, 64, 64, 64});
   }
 };
 
@@ -925,6 +943,8 @@ template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
 inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n, int n_next,
                              float scale, const C* zeros, float* s) {
   using Task = AmxTask<H, D1 + D2, L>;
+  constexpr int G = Task::kGroupHeads;
+  Task::configure_scores();
   for (int n0 = 0; n0 < n; n0 += 16) {
     pack_row_tile_amx<H, D1, D2, L>(t, b, n0, n, zeros);
     const TilePrefetch keys_ahead(b.key, n0 + 32, n, n_next, D1 * int64_t(sizeof(C)));
@@ -933,7 +953,7 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
                                     L * int64_t(sizeof(C)));
     for (int g = 0; g < Task::kGroups; g += 2) {
       const bool two = g + 1 < Task::kGroups;
-      const c10::BFloat16* qg = t.q + g * Task::kSteps * 512;
+      const c10::BFloat16* qg = t.q + g * Task::kSteps * Task::kQueryTile;
       _tile_zero(0);
       if (two) _tile_zero(1);
       for (int ks = 0; ks < Task::kSteps; ++ks) {
@@ -943,19 +963,19 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
           values_ahead.step(ks, Task::kSteps);
         }
         _tile_loadd(2, t.tile_keys + ks * 32, t.tile_keys_stride);
-        _tile_loadd(3, qg + ks * 512, 64);
+        _tile_loadd(3, qg + ks * Task::kQueryTile, 4 * G);
         _tile_dpbf16ps(0, 2, 3);
         if (two) {
-          _tile_loadd(4, qg + (Task::kSteps + ks) * 512, 64);
+          _tile_loadd(4, qg + (Task::kSteps + ks) * Task::kQueryTile, 4 * G);
           _tile_dpbf16ps(1, 2, 4);
         }
       }
-      _tile_stored(0, t.scores + g * 16, Task::kHeads * 4);
-      if (two) _tile_stored(1, t.scores + (g + 1) * 16, Task::kHeads * 4);
+      _tile_stored(0, t.scores + g * G, Task::kScoresStride * 4);
+      if (two) _tile_stored(1, t.scores + (g + 1) * G, Task::kScoresStride * 4);
     }
     for (int g = 0; g < Task::kGroups; ++g)
-      transpose_scaled_16x16(t.scores + g * 16, Task::kHeads, std::min(16, H - 16 * g), scale,
-                             s + g * 16 * kKvBlock + n0, kKvBlock);
+      transpose_scaled_16x16(t.scores + g * G, Task::kScoresStride, std::min(G, H - G * g), scale,
+                             s + g * G * kKvBlock + n0, kKvBlock);
   }
   // past the last row tile the block's value pairs are zeros (p is zero there too; 0 x NaN is not)
   const int packed = (n + 15) / 16 * 16;
@@ -988,30 +1008,32 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
     }
   }
   constexpr int64_t kPairRowBytes = 2 * Task::kPairStride;
+  constexpr int G = Task::kGroupHeads;
+  Task::configure_pv();
   // Head groups in pairs: the first group's probabilities stay in tiles 2-5, the second's are loaded
   // per step (tile 6, from L1), so that each value tile (tile 1, from L2) is loaded once for both.
   for (int g = 0; g < Task::kGroups; g += 2) {
     const bool two = g + 1 < Task::kGroups;
-    const c10::BFloat16* pg = t.p + g * 16 * kKvBlock;
+    const c10::BFloat16* pg = t.p + g * G * kKvBlock;
     _tile_loadd(2, pg, kKvBlock * 2);
     _tile_loadd(3, pg + 32, kKvBlock * 2);
     _tile_loadd(4, pg + 64, kKvBlock * 2);
     _tile_loadd(5, pg + 96, kKvBlock * 2);
     for (int64_t ct = 0; ct < L / 16; ++ct) {
-      float* o = t.o + g * 16 * Task::kOStride + ct * 16;
+      float* o = t.o + g * G * Task::kOStride + ct * 16;
       const char* v = reinterpret_cast<const char*>(t.values + ct * 32);
       if (alpha == nullptr) {
         _tile_zero(0);
         if (two) _tile_zero(7);
       } else {
         _tile_loadd(0, o, Task::kOStride * 4);
-        if (two) _tile_loadd(7, o + 16 * Task::kOStride, Task::kOStride * 4);
+        if (two) _tile_loadd(7, o + G * Task::kOStride, Task::kOStride * 4);
       }
       // per 32 rows of the block: the value tile, the first group's product, the second group's
       // probabilities and product (tile numbers are immediates: the steps are written out)
       const auto second_group = [&](int ks) __attribute__((always_inline)) {
         if (two) {
-          _tile_loadd(6, pg + 16 * kKvBlock + 32 * ks, kKvBlock * 2);
+          _tile_loadd(6, pg + G * kKvBlock + 32 * ks, kKvBlock * 2);
           _tile_dpbf16ps(7, 6, 1);
         }
       };
@@ -1028,7 +1050,7 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
       _tile_dpbf16ps(0, 5, 1);
       second_group(3);
       _tile_stored(0, o, Task::kOStride * 4);
-      if (two) _tile_stored(7, o + 16 * Task::kOStride, Task::kOStride * 4);
+      if (two) _tile_stored(7, o + G * Task::kOStride, Task::kOStride * 4);
     }
   }
 }
@@ -1213,9 +1235,8 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 #if defined(MLA_INDUCTOR_AMX)
   std::optional<AmxTask<H, D, L>> amx;
   if constexpr (kAmx) {
-    amx.emplace(q, ldq);
+    amx.emplace(q, ldq);  // (each pass configures the tiles it uses)
     p = amx->p;
-    configure_tiles();
   }
 #endif
   bool first = true;  // o is written, not rescaled, by the first block that is not skipped
