@@ -5,8 +5,8 @@ Where an op-level benchmark (fp8_cache.py, gqa_decode.py, mla_decode.py) says ho
 this says what a row costs each kernel, cache in L2 / L3 (one cache, used again) and from memory
 (caches taken in turn, twice the last-level cache in all), on one thread and on two (eight tasks,
 one per key/value head, as the op runs them). Shapes: gqa, a group of 4 query heads of 128 over its
-key/value head (Llama-3-8B), 4096 rows; latent, 22 heads over rows of 576 with values their first
-512 columns (deepseek-v3-tp22), 4096 rows. Caches bf16, e4m3fn and e5m2, query bf16.
+key/value head (Llama-3-8B); latent, 22 heads over rows of 576 with values their first 512 columns
+(deepseek-v3-tp22); tasks of 4096 rows (--rows). Caches bf16, e4m3fn and e5m2, query bf16.
 
 Each variant is one binary (benchmarks/attend_split.cpp, built with g++ -O3 for --march, default this
 CPU, with the templates' headers); the binaries run in turn, round after round, and the table holds
@@ -14,7 +14,7 @@ the medians of their per-round medians. `--templates DIR ...` builds every varia
 of headers (an A/B of two versions of latent_attention.h / widen.h). Asserts nothing.
 
     python benchmarks/attend_split.py [--part gqa latent] [--cache bf16 e4m3 e5m2] [--threads 1 2]
-                                      [--march native] [--templates DIR ...] [--rounds 5]
+                                      [--march native] [--templates DIR ...] [--rows 4096] [--rounds 5]
 """
 
 import argparse
@@ -33,7 +33,6 @@ from mla_inductor.lowerings.template import TEMPLATE_DIR
 
 HERE = pathlib.Path(__file__).resolve().parent
 HEADERS = ("widen.h", "amx_tiles.h", "latent_attention.h")  # what both decode templates include
-ROWS = 4096
 CACHES = {"bf16": ("c10::BFloat16", 2), "e4m3": ("c10::Float8_e4m3fn", 1), "e5m2": ("c10::Float8_e5m2", 1)}
 # heads, key width, value width, values in a cache of their own
 PARTS = {"gqa": (4, 128, 128, True), "latent": (22, 576, 512, False)}
@@ -60,8 +59,8 @@ def build(out: pathlib.Path, templates: pathlib.Path, part: str, cache: str, mar
     return out
 
 
-def run(binary: pathlib.Path, caches: int, threads: int, calls: int) -> float:
-    done = subprocess.run([str(binary), str(ROWS), str(caches), str(calls), str(threads)], check=True,
+def run(binary: pathlib.Path, rows: int, caches: int, threads: int, calls: int) -> float:
+    done = subprocess.run([str(binary), str(rows), str(caches), str(calls), str(threads)], check=True,
                           capture_output=True, text=True)
     return float(done.stdout)
 
@@ -74,6 +73,8 @@ def main():
     p.add_argument("--march", default="native", help="the target to compile for (gcc -march)")
     p.add_argument("--templates", nargs="+", type=pathlib.Path, default=[TEMPLATE_DIR],
                    help="directories of template headers, one variant each")
+    p.add_argument("--rows", type=int, default=4096,
+                   help="rows a task (the op splits a request: at B=1 and 4096 rows, eight tasks of 512)")
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,17 +87,18 @@ def main():
         cases = []  # (variant, part, cache, residency, threads, caches, calls)
         for (v, part, cache), binary in binaries.items():
             # caches enough for twice the last-level cache in fp8 (as fp8_cache.py's stacks)
-            past = math.ceil(2 * benchmarking.last_level_cache_bytes() / (ROWS * row_bytes(part, "e4m3")))
+            past = math.ceil(2 * benchmarking.last_level_cache_bytes() / (args.rows * row_bytes(part, "e4m3")))
             for threads in args.threads:
                 tasks = 1 if threads == 1 else 8
-                cases.append((v, part, cache, "L2 / L3", threads, tasks, 200 if part == "gqa" else 50))
+                l2_calls = (200 if part == "gqa" else 50) * 4096 // args.rows
+                cases.append((v, part, cache, "L2 / L3", threads, tasks, l2_calls))
                 cases.append((v, part, cache, "memory", threads, max(past, tasks), max(past // tasks, 20)))
         times = {case: [] for case in cases}
         for _ in range(args.rounds):
             for case in cases:
                 v, part, cache, _, threads, caches, calls = case
-                times[case].append(run(binaries[v, part, cache], caches, threads, calls))
-    print(f"\n## attend_split, {ROWS} rows, bf16 query, -march={args.march}; {benchmarking.machine_line()}")
+                times[case].append(run(binaries[v, part, cache], args.rows, caches, threads, calls))
+    print(f"\n## attend_split, tasks of {args.rows} rows, bf16 query, -march={args.march}; {benchmarking.machine_line()}")
     print("| variant | part | cache | residency | threads | ns a row | GB/s of cache read a thread |")
     print("|---|---|---|---|---|---|---|")
     for case, values in times.items():

@@ -22,4 +22,4 @@ def load(name: str):
 def test_attend_split_harness_builds_and_times_a_task(tmp_path, part, cache):
     attend_split = load("attend_split")
     binary = attend_split.build(tmp_path / "harness", TEMPLATE_DIR, part, cache, march="native")
-    assert attend_split.run(binary, caches=2, threads=2, calls=2) > 0
+    assert attend_split.run(binary, rows=512, caches=2, threads=2, calls=2) > 0
