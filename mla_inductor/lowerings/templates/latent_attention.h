@@ -799,11 +799,21 @@ struct AmxTask {
     values = keys + keys_elems;
     pair = values + values_elems;
     p = pair + 2 * L;
+    // A head's 32 columns of a step are 16 pairs, one 32-bit element each, that go down a column of the
+    // step's tile: one scatter. (Element by element, the packing cost a task of 512 rows, the op's at
+    // B=1 and 4096 rows, a sixth of its time: 218 -> 180 ns a row.)
     std::memset(q, 0, q_elems * sizeof(c10::BFloat16));
-    for (int h = 0; h < H; ++h)
-      for (int64_t k = 0; k < D; ++k)
-        q[((h / kGroupHeads) * kSteps + k / 32) * kQueryTile + (k % 32) / 2 * 2 * kGroupHeads +
-          (h % kGroupHeads) * 2 + k % 2] = query[h * ldq + k];
+    const __m512i pair_offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kGroupHeads));
+    for (int h = 0; h < H; ++h) {
+      c10::BFloat16* head = q + (h / kGroupHeads) * kSteps * kQueryTile + (h % kGroupHeads) * 2;
+      for (int ks = 0; ks < kSteps; ++ks) {
+        const int64_t count = std::min<int64_t>(32, D - 32 * ks);
+        const __m512i pairs =
+            _mm512_maskz_loadu_epi16(count == 32 ? ~0u : (1u << count) - 1, query + h * ldq + 32 * ks);
+        _mm512_i32scatter_epi32(head + ks * kQueryTile, pair_offsets, pairs, 4);
+      }
+    }
     std::memset(p, 0, kHeads * kKvBlock * sizeof(c10::BFloat16));
   }
   // scores: C 0, 1 and B 3, 4 a group's heads wide, A 2 whole; P.V: C 0, 7 and A 2-6 a group's heads
