@@ -98,7 +98,8 @@ def main():
             for case in cases:
                 v, part, cache, _, threads, caches, calls = case
                 times[case].append(run(binaries[v, part, cache], args.rows, caches, threads, calls))
-    print(f"\n## attend_split, tasks of {args.rows} rows, bf16 query, -march={args.march}; {benchmarking.machine_line()}")
+    print(f"\n## attend_split, tasks of {args.rows} rows, bf16 query, -march={args.march}; "
+          f"{benchmarking.machine_line()}")
     print("| variant | part | cache | residency | threads | ns a row | GB/s of cache read a thread |")
     print("|---|---|---|---|---|---|---|")
     for case, values in times.items():

@@ -755,9 +755,9 @@ inline void prepare_attention() {
 // P.V's A and C tiles (the two passes configure their tiles each).
 //   scores: S^T = K . Q^T per row tile of 16 rows: A = the rows converted to bf16, B = the query in
 //           VNNI pairs, packed once per task; C = 16 rows x a group's heads, two groups at a time.
-//   P.V:    O += P . V, two head groups at a time: A = p (16 heads x 32 rows; the first group's four
-//           tiles for a block of 128 rows resident while the column tiles pass, the second group's
-//           loaded per step), B = value rows interleaved in pairs (each tile loaded once for both
+//   P.V:    O += P . V, two head groups at a time: A = p (a group's heads x 32 rows; the first group's
+//           four tiles for a block of 128 rows resident while the column tiles pass, the second
+//           group's loaded per step), B = value rows interleaved in pairs (each tile loaded once for both
 //           groups), C = a group's heads x 16 columns of o, loaded and stored per block.
 // Tiles: scores 0-1 (C), 2 (A), 3-4 (B); P.V 0, 7 (C), 2-5, 6 (A), 1 (B). (Two row tiles at a time in
 // the scores, and two column tiles in P.V, measured the same or slower.)
@@ -766,7 +766,7 @@ struct AmxTask {
   static_assert(kKvBlock == 128, "P.V keeps a block's four 32-row steps of p in tiles 2-5");
   static constexpr int kGroups = (H + 15) / 16;
   // Fewer heads than 16 in a group leave the tiles narrower: 22 heads padded to 32 loaded and stored
-  // 45% more bytes of the query, the scores, p and o than two groups of 11.
+  // 45% more bytes of the query, the scores, p and o than two groups of 11 (204 -> 180 ns a row).
   static constexpr int kGroupHeads = (H + kGroups - 1) / kGroups;
   static constexpr int kHeads = kGroups * kGroupHeads;
   static constexpr int64_t kQueryTile = 32 * kGroupHeads;  // bf16 elements: one group's query for one step
