@@ -29,10 +29,10 @@ import torch.utils.cpp_extension
 from torch._inductor import config as inductor_config
 
 from mla_inductor import benchmarking, isa
+from mla_inductor.lowerings.mla_decode import ATTENTION_HEADERS
 from mla_inductor.lowerings.template import TEMPLATE_DIR
 
 HERE = pathlib.Path(__file__).resolve().parent
-HEADERS = ("widen.h", "amx_tiles.h", "latent_attention.h")  # what both decode templates include
 CACHES = {"bf16": ("c10::BFloat16", 2), "e4m3": ("c10::Float8_e4m3fn", 1), "e5m2": ("c10::Float8_e5m2", 1)}
 # heads, key width, value width, values in a cache of their own
 PARTS = {"gqa": (4, 128, 128, True), "latent": (22, 576, 512, False)}
@@ -46,7 +46,7 @@ def row_bytes(part: str, cache: str) -> int:
 def build(out: pathlib.Path, templates: pathlib.Path, part: str, cache: str, march: str) -> pathlib.Path:
     heads, key, value, own_values = PARTS[part]
     header = out.with_suffix(".h")
-    header.write_text("\n".join((templates / name).read_text() for name in HEADERS))
+    header.write_text("\n".join((templates / name).read_text() for name in ATTENTION_HEADERS))
     with inductor_config.patch({"cpp.march": march}):
         capability = "AVX512" if isa.at_least("avx512f", isa.target_isa()) else "AVX2"
     lib = pathlib.Path(torch.__file__).parent / "lib"

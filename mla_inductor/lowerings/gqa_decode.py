@@ -11,6 +11,7 @@ from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
 from .. import config as mla_config
+from .mla_decode import ATTENTION_HEADERS
 from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides
 
 OP = torch.ops.mla.gqa_decode_attention.default
@@ -28,7 +29,7 @@ class GqaDecodeAttentionTemplate(FusedOpTemplate):
         self.sliding_window, self.window_block = sliding_window, window_block
 
     def headers(self) -> tuple[str, ...]:
-        return ("widen.h", "amx_tiles.h", "latent_attention.h")
+        return ATTENTION_HEADERS
 
     def options(self, kernel) -> dict:
         q, k, v, mask = (self.inputs[name] for name in ("Q", "K", "V", "MASK"))

@@ -16,6 +16,8 @@ from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_stri
 OP = torch.ops.mla.latent_decode_attention.default
 aten = torch.ops.aten
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# What latent_attention.h's kernels need: this template's and gqa_decode's.
+ATTENTION_HEADERS = ("widen.h", "amx_tiles.h", "latent_attention.h")
 
 
 class LatentDecodeAttentionTemplate(FusedOpTemplate):
@@ -28,7 +30,7 @@ class LatentDecodeAttentionTemplate(FusedOpTemplate):
         self.scale, self.softcap = scale, softcap
 
     def headers(self) -> tuple[str, ...]:
-        return ("widen.h", "amx_tiles.h", "latent_attention.h")
+        return ATTENTION_HEADERS
 
     def options(self, kernel) -> dict:
         q, kv, tables, seq_lens, w_vc, mask = (self.inputs[k] for k in ("Q", "KV", "BT", "SL", "WVC", "MASK"))

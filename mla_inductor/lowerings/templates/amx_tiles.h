@@ -37,9 +37,9 @@ inline void require_amx_permission() {
               "(torch._inductor.config.cpp.march, e.g. \"cooperlake\").");
 }
 
-// Every tile the kernels use has one shape: 16 rows of 64 bytes (16 x 32 bf16 as an A or B operand,
-// 16 x 16 fp32 as an accumulator), so one configuration serves them all. A thread's configuration is
-// its own and other kernels (oneDNN's) change it: load it at the start of every task.
+// The palette-1 tile configuration: tile t holds rows[t] rows of colsb[t] bytes (at most 16 x 64).
+// Each kernel shapes its tiles to its operands (a GEMM's row count, a group of heads). A thread's
+// configuration is its own and other kernels (oneDNN's) change it: load it at the start of every task.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -48,16 +48,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-inline void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
-
-// Tiles 0-7 of rows[t] rows of bytes[t] bytes (a kernel whose operands are narrower than the tiles).
+// Tiles 0-7 of rows[t] rows of bytes[t] bytes.
 inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {

@@ -779,8 +779,6 @@ struct AmxTask {
   static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
   c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][kGroupHeads][2]
   c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
-  const c10::BFloat16* tile_keys;  // the row tile's keys for the score tiles: keys, or the cache's rows
-  int64_t tile_keys_stride;        // bytes
   c10::BFloat16* values;  // [kKvBlock / 2][kPairStride]: the block's value rows, pairs interleaved
   c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
   float* scores;          // [16][kScoresStride]: one row tile's scores
@@ -835,10 +833,16 @@ inline const C* row_or_zeros(const C* const* rows, int i, int n, const C* zeros)
   return i < n ? rows[i] : zeros;
 }
 
-// Rows [n0, n0 + 16) of the block in bf16: the keys as the A operand of the scores (t.tile_keys), and
-// the values as pairs interleaved for the P.V of the block (latent rows: the keys' first L columns).
+// A row tile's keys as the scores' A operand: rows `stride` bytes apart.
+struct TileRows {
+  const c10::BFloat16* data;
+  int64_t stride;
+};
+
+// Rows [n0, n0 + 16) of the block in bf16: the values as pairs interleaved for the P.V of the block
+// (latent rows: the keys' first L columns), and the keys, which it returns.
 template <int H, int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
-inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n0, int n,
+inline TileRows pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, IndexT, D2>& b, int n0, int n,
                               const C* zeros) {
   constexpr int64_t D = D1 + D2, kColumns = AmxTask<H, D, L>::kColumns;
   // A bf16 latent row tile that lies at one stride in the cache (one page of a paged cache, or a dense
@@ -861,13 +865,9 @@ inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, 
         }
         interleave_rows(rows[i], rows[i + 1], L, t.values + (n0 + i) / 2 * AmxTask<H, D, L>::kPairStride);
       }
-      t.tile_keys = rows[0];
-      t.tile_keys_stride = stride * int64_t(sizeof(C));
-      return;
+      return {rows[0], stride * int64_t(sizeof(C))};
     }
   }
-  t.tile_keys = t.keys;
-  t.tile_keys_stride = kColumns * int64_t(sizeof(c10::BFloat16));
   for (int i = 0; i < 16; ++i) {
     c10::BFloat16* key = t.keys + i * kColumns;
     row_to_bf16(row_or_zeros(b.key.rows, n0 + i, n, zeros), D1, key);
@@ -885,6 +885,7 @@ inline void pack_row_tile_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, 
     }
     interleave_rows(first, second, L, t.values + (n0 + i) / 2 * AmxTask<H, D, L>::kPairStride);
   }
+  return {t.keys, kColumns * int64_t(sizeof(c10::BFloat16))};
 }
 
 // The rows of a row tile ahead, prefetched into L2 a few lines at a time over the steps of the score
@@ -956,7 +957,7 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
   constexpr int G = Task::kGroupHeads;
   Task::configure_scores();
   for (int n0 = 0; n0 < n; n0 += 16) {
-    pack_row_tile_amx<H, D1, D2, L>(t, b, n0, n, zeros);
+    const TileRows keys = pack_row_tile_amx<H, D1, D2, L>(t, b, n0, n, zeros);
     const TilePrefetch keys_ahead(b.key, n0 + 32, n, n_next, D1 * int64_t(sizeof(C)));
     const TilePrefetch rope_ahead(b.rope, n0 + 32, D2 > 0 ? n : 0, D2 > 0 ? n_next : 0, D2 * int64_t(sizeof(C)));
     const TilePrefetch values_ahead(b.value, n0 + 32, b.own_values ? n : 0, b.own_values ? n_next : 0,
@@ -972,7 +973,7 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
           rope_ahead.step(ks, Task::kSteps);
           values_ahead.step(ks, Task::kSteps);
         }
-        _tile_loadd(2, t.tile_keys + ks * 32, t.tile_keys_stride);
+        _tile_loadd(2, keys.data + ks * 32, keys.stride);
         _tile_loadd(3, qg + ks * Task::kQueryTile, 4 * G);
         _tile_dpbf16ps(0, 2, 3);
         if (two) {

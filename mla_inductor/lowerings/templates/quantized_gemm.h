@@ -30,13 +30,11 @@ constexpr int64_t kAmxChunk = 64;  // columns per step: one A tile of int8, two 
 // 79-84% of the copy bandwidth with the hardware prefetcher alone (16 rows at once), 90-97% with it.
 constexpr int64_t kAmxPrefetchBytes = 512;
 
+// kAmxWeightRows rows each; tmm0-1 and 6-7 (C) and tmm4-5 (B) one dword per x row wide, tmm2-3 (A) whole.
 inline void configure_projection_tiles(int rows) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kAmxWeightRows;
-    config.colsb[t] = (t == 2 || t == 3) ? 64 : 4 * rows;  // tmm0-1 and 6-7 C, tmm2-3 A, tmm4-5 B
-  }
-  _tile_loadconfig(&config);
+  constexpr uint8_t w = kAmxWeightRows;
+  const uint16_t x = static_cast<uint16_t>(4 * rows);
+  configure_tiles({w, w, w, w, w, w, w, w}, {x, x, 64, 64, x, x, x, x});
 }
 
 // The exact bf16 of a weight byte's magnitude (an int8 or an fp8 value; kWidenedScale does not apply:
