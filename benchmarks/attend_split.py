@@ -54,7 +54,7 @@ def build(out: pathlib.Path, templates: pathlib.Path, part: str, cache: str, mar
                *(f"-I{p}" for p in torch.utils.cpp_extension.include_paths()), "-include", str(header),
                "-DQUERY_T=c10::BFloat16", f"-DCACHE_T={CACHES[cache][0]}", f"-DHEADS={heads}",
                f"-DKEY_DIM={key}", f"-DVALUE_DIM={value}", f"-DOWN_VALUES={int(own_values)}",
-               str(HERE / "attend_split.cpp"), "-o", str(out), f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
+               str(HERE / "attend_split.cpp"), "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
     subprocess.run(command, check=True)
     return out
 

@@ -316,13 +316,34 @@ def test_fp8_widening_is_exact_for_every_value():
     fn = torch.compile(lambda q, k, v, mask: torch.ops.mla.gqa_decode_attention(q, k, v, mask),
                        backend="mla_inductor")
     one_row_each = torch.eye(256, dtype=torch.bool).view(256, 1, 1, 256)
-    for dtype in (E4M3, E5M2):
-        values = torch.arange(256, dtype=torch.uint8).view(dtype)
+    bits = torch.arange(256, dtype=torch.uint8)
+    # e4m3fn's NaN bytes (0x7f, 0xff) zeroed: no tile holds a NaN, and the rows skip the widening's NaN fix
+    e4m3fn_numbers = torch.where(bits & 0x7F == 0x7F, 0, bits)
+    for dtype, values in ((E4M3, bits.view(E4M3)), (E5M2, bits.view(E5M2)), (E4M3, e4m3fn_numbers.view(E4M3))):
         value = values.view(1, 1, 256, 1).expand(256, 1, 256, 16)
         key = torch.zeros(256, 1, 256, 16, dtype=dtype)
         out = fn(torch.ones(256, 1, 1, 16), key, value, one_row_each)
         expected = values.float().view(256, 1, 1, 1).expand(256, 1, 1, 16)
         torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("group", [4, 8])  # the rows widened in the score tile (4), or once into fp32 copies (8)
+def test_an_e4m3fn_nan_reaches_the_heads_that_read_it(group):
+    """Tiles of e4m3fn rows without NaN are widened without the NaN fix; a NaN in one key row still makes
+    every output of its heads NaN, and a NaN in one value row the column it sits in, as in the reference."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2 * group, 1, 64, generator=g).bfloat16()
+    k, v = (torch.randn(2, 2, 300, 64, generator=g).to(E4M3) for _ in range(2))  # blocks of 128, 128 and 44 rows
+    k[0, 0, 200, 5] = float("nan")
+    v[1, 1, 10, 7] = float("nan")
+    torch._dynamo.reset()
+    fn = torch.compile(torch.ops.mla.gqa_decode_attention, backend="mla_inductor")
+    out = fn(q, k, v)
+    nan = torch.zeros_like(out, dtype=torch.bool)
+    nan[0, :group] = True
+    nan[1, group:, :, 7] = True
+    assert torch.equal(out.isnan(), nan)
+    torch.testing.assert_close(out, torch.ops.mla.gqa_decode_attention(q, k, v), atol=1e-2, rtol=1e-2, equal_nan=True)
 
 
 VLLM_BLOCK = 16

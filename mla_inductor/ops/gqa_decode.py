@@ -111,7 +111,8 @@ def attention_fp32(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optiona
     if attn_mask is not None:
         attn_mask = _as_4d(attn_mask)
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
-    admitted = scores.amax(-1, keepdim=True) > float("-inf")  # a query no row admits gets zeros
+    # a query no row admits gets zeros; a NaN score (a NaN in a key row) keeps its NaN, as in SDPA
+    admitted = scores.amax(-1, keepdim=True) != float("-inf")
     probs = torch.where(admitted, scores, 0).softmax(-1) * admitted
     return (probs @ value.float()).reshape(batch, heads, 1, value.shape[-1]).to(query.dtype)
 

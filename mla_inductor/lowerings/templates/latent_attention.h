@@ -368,10 +368,18 @@ inline void pv_tile_fp32(const float* p, int64_t ldp, Rows v, int n, int64_t c, 
     for (int i = 0; i < C; ++i) acc[h][i] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c + i * W) : Vec(0.f);
   for (int j = 0; j < n; ++j) {
     Vec vv[C];
+    using Row = std::remove_cv_t<std::remove_pointer_t<decltype(v[j])>>;
 #if defined(CPU_CAPABILITY_AVX2)
-    if constexpr (C == 2 && std::is_convertible_v<Rows, const c10::BFloat16* const*>) {
+    if constexpr (C == 2 && std::is_same_v<Row, c10::BFloat16>) {
       __m256 lo, hi;
       widen_bf16x16_paired(v[j] + c, lo, hi);
+      vv[0] = lo, vv[1] = hi;
+    } else
+#endif
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (C == 2 && is_fp8<Row>) {
+      __m512 lo, hi;
+      widen_fp8x32(v[j] + c, lo, hi);
       vv[0] = lo, vv[1] = hi;
     } else
 #endif
@@ -1071,12 +1079,13 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, const float* alpha) {
 // rope[n]), widens them in registers and, if STORE, also stores them, widened, at k[n] (rows D1 + D2
 // apart), where the other head tiles and the P.V pass read them. Each row is converted once per step;
 // the stores ride along with this tile's FMAs. PAIRED (bf16 rows, nothing stored): whole runs of
-// sixteen columns are widened in pairs, against a query paired the same way (pairs_columns).
-template <typename T, int64_t D1, int64_t D2, int MH, int NR, bool STORE = true, bool PAIRED = false>
+// sixteen columns are widened in pairs, against a query paired the same way (pairs_columns). The rows'
+// bytes are widened as W: T, or NanChecked<T> where the tile's rows hold no NaN.
+template <typename T, int64_t D1, int64_t D2, int MH, int NR, bool STORE = true, bool PAIRED = false, typename W = T>
 inline void qk_tile_widening(const float* q, const T* const* key, const T* const* rope, float* k, float scale,
                              float* s, int64_t lds) {
   using Vec = at::vec::Vectorized<float>;
-  constexpr int64_t W = Vec::size();
+  constexpr int64_t kLanes = Vec::size();
   constexpr int64_t D = D1 + D2;
   static_assert(!(PAIRED && STORE), "paired columns are for products only");
   Vec acc[MH][NR];
@@ -1085,9 +1094,10 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
   auto step = [&](const T* const* rows, int64_t i, int64_t col, int64_t count) __attribute__((always_inline)) {
     Vec kv[NR];
     for (int n = 0; n < NR; ++n) {
-      kv[n] = count == W ? load_floats(rows[n] + i) : load_floats(rows[n] + i, count);
+      const auto* row = reinterpret_cast<const W*>(rows[n] + i);
+      kv[n] = count == kLanes ? load_floats(row) : load_floats(row, count);
       if constexpr (STORE) {
-        if (count == W) {
+        if (count == kLanes) {
           kv[n].store(k + n * D + col);
         } else {
           kv[n].store(k + n * D + col, count);
@@ -1095,7 +1105,7 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
       }
     }
     for (int h = 0; h < MH; ++h) {
-      const Vec qv = in_register(count == W ? Vec::loadu(q + h * D + col) : Vec::loadu(q + h * D + col, count));
+      const Vec qv = in_register(count == kLanes ? Vec::loadu(q + h * D + col) : Vec::loadu(q + h * D + col, count));
       for (int n = 0; n < NR; ++n) acc[h][n] = at::vec::fmadd(qv, kv[n], acc[h][n]);
     }
   };
@@ -1104,18 +1114,31 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (PAIRED) {
-      for (; i + 2 * W <= width; i += 2 * W) {
+      for (; i + 2 * kLanes <= width; i += 2 * kLanes) {
         __m256 lo[NR], hi[NR];
         for (int n = 0; n < NR; ++n) widen_bf16x16_paired(rows[n] + i, lo[n], hi[n]);
         for (int h = 0; h < MH; ++h) {
-          const Vec q_lo = Vec::loadu(q + h * D + col + i), q_hi = Vec::loadu(q + h * D + col + i + W);
+          const Vec q_lo = Vec::loadu(q + h * D + col + i), q_hi = Vec::loadu(q + h * D + col + i + kLanes);
           for (int n = 0; n < NR; ++n)
             acc[h][n] = at::vec::fmadd(q_hi, Vec(hi[n]), at::vec::fmadd(q_lo, Vec(lo[n]), acc[h][n]));
         }
       }
     }
 #endif
-    for (; i + W <= width; i += W) step(rows, i, col + i, W);
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (is_fp8<W> && !STORE) {
+      for (; i + 2 * kLanes <= width; i += 2 * kLanes) {
+        __m512 lo[NR], hi[NR];
+        for (int n = 0; n < NR; ++n) widen_fp8x32(reinterpret_cast<const W*>(rows[n] + i), lo[n], hi[n]);
+        for (int h = 0; h < MH; ++h) {
+          const Vec q_lo = Vec::loadu(q + h * D + col + i), q_hi = Vec::loadu(q + h * D + col + i + kLanes);
+          for (int n = 0; n < NR; ++n)
+            acc[h][n] = at::vec::fmadd(q_hi, Vec(hi[n]), at::vec::fmadd(q_lo, Vec(lo[n]), acc[h][n]));
+        }
+      }
+    }
+#endif
+    for (; i + kLanes <= width; i += kLanes) step(rows, i, col + i, kLanes);
     if (i < width) step(rows, i, col + i, width - i);
   };
   segment(key, D1, 0);
@@ -1126,45 +1149,91 @@ inline void qk_tile_widening(const float* q, const T* const* key, const T* const
 // Row tiles ahead whose rows the score pass prefetches into L2 (the pass is the first to read them).
 constexpr int kPrefetchTilesFp32 = 2;
 
+// What rows of C that hold no NaN are widened as: e4m3fn rows skip the NaN fix (holds_e4m3fn_nan).
+template <typename C>
+using NanChecked = std::conditional_t<std::is_same_v<C, c10::Float8_e4m3fn>, Float8_e4m3fn_nan_free, C>;
+
+// Whether `count` rows of C (`width` values each) can be widened as NanChecked<C>: they hold no NaN, or C
+// has no NaN fix to skip. The rows are read again straight after, from L1.
+template <typename C>
+inline bool nan_free(const C* const* rows, int count, int64_t width) {
+  if constexpr (std::is_same_v<NanChecked<C>, C>) {
+    return false;
+  } else {
+    bool nan = false;
+    for (int i = 0; i < count; ++i) nan |= holds_e4m3fn_nan(rows[i], width);
+    return !nan;
+  }
+}
+
+// Value rows for the P.V tiles: a block's cache rows of C, widened as W (the same bytes).
+template <typename W, typename C>
+struct RowsAs {
+  const C* const* rows;
+  const W* operator[](int j) const { return reinterpret_cast<const W*>(rows[j]); }
+};
+
 // Scores s [H, kKvBlock] of the block's n rows from qf (the query in fp32, rows D apart). Beyond
 // kDirectHeads heads it leaves the rows widened in keys [n, D1 + D2]: the first head tile of each row
-// tile widens them, the others and the P.V pass read the fp32 copy from L1 / L2.
+// tile widens them, the others and the P.V pass read the fp32 copy from L1 / L2. Returns whether the
+// P.V pass may widen a value cache of its own as NanChecked<T> (kDirectHeads heads or fewer: the rows
+// are checked here, with their keys).
 template <int H, int64_t D1, int64_t D2, int64_t L, typename T, typename IndexT>
-inline void block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2>& b, int n, int n_next,
+inline bool block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2>& b, int n, int n_next,
                               float scale, float* s, float* keys) {
   constexpr int64_t D = D1 + D2;
+  // a tile's rows without NaN (e4m3fn) are widened without the NaN fix, its scores otherwise the same
+  const auto checked = [&](int n0, int count) {
+    return nan_free(b.key.rows + n0, count, D1) && (D2 == 0 || nan_free(b.rope.rows + n0, count, D2));
+  };
   if constexpr (widens_from_cache(H)) {
+    bool values_checked = true;  // (without a value cache of their own, the values are the keys' columns)
     for (int n0 = 0; n0 < n; n0 += kDirectRows) {
       const int ahead = n0 + kPrefetchTilesFp32 * kDirectRows;
       prefetch_block_rows(b.key, ahead, kDirectRows, n, n_next, D1 * int64_t(sizeof(T)));
       if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead, kDirectRows, n, n_next, D2 * int64_t(sizeof(T)));
       // the P.V pass reads a value cache of its own straight after: its rows come in with the keys
       if (b.own_values) prefetch_block_rows(b.value, ahead, kDirectRows, n, n_next, L * int64_t(sizeof(T)));
-      dispatch_count<kDirectRows>(std::min(kDirectRows, n - n0), [&]<int NR>() {
-        qk_tile_widening<T, D1, D2, H, NR, false, pairs_columns<T, H>()>(qf, b.key.rows + n0, b.rope.rows + n0,
-                                                                          nullptr, scale, s + n0, kKvBlock);
+      const int count = std::min(kDirectRows, n - n0);
+      const bool keys_checked = checked(n0, count);
+      if (values_checked) values_checked = b.own_values ? nan_free(b.value.rows + n0, count, L) : keys_checked;
+      dispatch_count<kDirectRows>(count, [&]<int NR>() {
+        constexpr bool kPaired = pairs_columns<T, H>();
+        if (keys_checked) {
+          qk_tile_widening<T, D1, D2, H, NR, false, kPaired, NanChecked<T>>(qf, b.key.rows + n0, b.rope.rows + n0,
+                                                                            nullptr, scale, s + n0, kKvBlock);
+        } else {
+          qk_tile_widening<T, D1, D2, H, NR, false, kPaired>(qf, b.key.rows + n0, b.rope.rows + n0, nullptr, scale,
+                                                              s + n0, kKvBlock);
+        }
       });
     }
-    return;
+    return values_checked;
   }
   for (int n0 = 0; n0 < n; n0 += kQkRowsFp32) {
     const int ahead = n0 + kPrefetchTilesFp32 * kQkRowsFp32;
     prefetch_block_rows(b.key, ahead, kQkRowsFp32, n, n_next, D1 * int64_t(sizeof(T)));
     if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead, kQkRowsFp32, n, n_next, D2 * int64_t(sizeof(T)));
-    dispatch_count<kQkRowsFp32>(std::min(kQkRowsFp32, n - n0), [&]<int NR>() {
+    const int count = std::min(kQkRowsFp32, n - n0);
+    const bool keys_checked = checked(n0, count);
+    dispatch_count<kQkRowsFp32>(count, [&]<int NR>() {
       float* k = keys + n0 * D;
       for (int h0 = 0; h0 < H; h0 += kQkHeadsFp32) {
         dispatch_count<kQkHeadsFp32>(std::min(kQkHeadsFp32, H - h0), [&]<int MH>() {
           float* out = s + h0 * kKvBlock + n0;
-          if (h0 == 0) {
-            qk_tile_widening<T, D1, D2, MH, NR>(qf, b.key.rows + n0, b.rope.rows + n0, k, scale, out, kKvBlock);
-          } else {
+          if (h0 != 0) {
             qk_tile_fp32<D, MH, NR>(qf + h0 * D, k, scale, out, kKvBlock);
+          } else if (keys_checked) {
+            qk_tile_widening<T, D1, D2, MH, NR, true, false, NanChecked<T>>(qf, b.key.rows + n0, b.rope.rows + n0, k,
+                                                                            scale, out, kKvBlock);
+          } else {
+            qk_tile_widening<T, D1, D2, MH, NR>(qf, b.key.rows + n0, b.rope.rows + n0, k, scale, out, kKvBlock);
           }
         });
       }
     });
   }
+  return false;
 }
 
 // values[i] = V_i in fp32 for the block's n rows, for a value cache of its own (grouped-query attention),
@@ -1174,7 +1243,11 @@ inline void widen_values(const BlockRows<T, IndexT>& value, int n, int n_next, f
   for (int i = 0; i < n; ++i) {
     if (i % kQkRowsFp32 == 0)
       prefetch_block_rows(value, i + kPrefetchTilesFp32 * kQkRowsFp32, kQkRowsFp32, n, n_next, L * int64_t(sizeof(T)));
-    widen_row(value.rows[i], L, values + i * L);
+    if (nan_free(value.rows + i, 1, L)) {
+      widen_row(reinterpret_cast<const NanChecked<T>*>(value.rows[i]), L, values + i * L);
+    } else {
+      widen_row(value.rows[i], L, values + i * L);
+    }
   }
 }
 
@@ -1251,6 +1324,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
   }
 #endif
   bool first = true;  // o is written, not rescaled, by the first block that is not skipped
+  bool values_checked = false;  // the portable P.V widens the block's value rows as NanChecked<C>
   gather(j0, static_cast<int>(std::min<int64_t>(kKvBlock, j1 - j0)));
   for (int64_t jb = j0; jb < j1; jb += kKvBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kKvBlock, j1 - jb));
@@ -1275,7 +1349,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
 #endif
     } else {
-      block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
+      values_checked = block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
     }
     // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
@@ -1305,7 +1379,12 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
     } else {
       const float* rescale = first ? nullptr : alpha;
       if constexpr (kDirect) {
-        block_pv_fp32<H, L>(p, b.own_values ? b.value.rows : b.key.rows, n, rescale, st);
+        const C* const* rows = b.own_values ? b.value.rows : b.key.rows;
+        if (values_checked) {
+          block_pv_fp32<H, L>(p, RowsAs<NanChecked<C>, C>{rows}, n, rescale, st);
+        } else {
+          block_pv_fp32<H, L>(p, rows, n, rescale, st);
+        }
       } else {
         block_pv_fp32<H, L>(p, StridedRows{b.own_values ? values : keys, b.own_values ? L : D}, n, rescale, st);
       }
