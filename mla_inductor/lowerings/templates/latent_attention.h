@@ -1006,10 +1006,16 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
 // fp8 cache's value scales weigh them (l sums the unscaled ones, as on the vector path).
 template <int H, int64_t D, int64_t L>
 inline void finish_probabilities_amx(AmxTask<H, D, L>& t, int n, const float* value_scale) {
+  using Vec = at::vec::Vectorized<float>;
   for (int h = 0; h < H; ++h) {
     c10::BFloat16* row = t.p + h * kKvBlock;
+    // (element by element, bf16 -> fp32 -> bf16 in scalar code, this cost 7% of a latent step over an
+    // e4m3 cache with per-token scales: 22 heads x 128 rows a block)
     if (value_scale != nullptr)
-      for (int j = 0; j < n; ++j) row[j] = c10::BFloat16(static_cast<float>(row[j]) * value_scale[j]);
+      for (int j = 0; j < n; j += Vec::size()) {
+        const int count = std::min<int>(Vec::size(), n - j);
+        store_floats(row + j, load_floats(row + j, count) * Vec::loadu(value_scale + j, count), count);
+      }
     std::fill(row + n, row + kKvBlock, c10::BFloat16(0.f));
   }
 }
