@@ -330,17 +330,18 @@ def test_fp8_widening_is_exact_for_every_value():
 @pytest.mark.parametrize("group", [4, 8])  # the rows widened in the score tile (4), or once into fp32 copies (8)
 def test_an_e4m3fn_nan_reaches_the_heads_that_read_it(group):
     """Tiles of e4m3fn rows without NaN are widened without the NaN fix; a NaN in one key row still makes
-    every output of its heads NaN, and a NaN in one value row the column it sits in, as in the reference."""
+    every output of its heads NaN (in the first block, where the running max starts at -inf, and in a
+    later one), and a NaN in one value row the column it sits in, as in the reference."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(2, 2 * group, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(2, 2, 300, 64, generator=g).to(E4M3) for _ in range(2))  # blocks of 128, 128 and 44 rows
-    k[0, 0, 200, 5] = float("nan")
+    k[0, 0, 5, 5] = k[1, 0, 200, 5] = float("nan")
     v[1, 1, 10, 7] = float("nan")
     torch._dynamo.reset()
     fn = torch.compile(torch.ops.mla.gqa_decode_attention, backend="mla_inductor")
     out = fn(q, k, v)
     nan = torch.zeros_like(out, dtype=torch.bool)
-    nan[0, :group] = True
+    nan[:, :group] = True
     nan[1, group:, :, 7] = True
     assert torch.equal(out.isnan(), nan)
     torch.testing.assert_close(out, torch.ops.mla.gqa_decode_attention(q, k, v), atol=1e-2, rtol=1e-2, equal_nan=True)

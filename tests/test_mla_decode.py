@@ -227,6 +227,28 @@ def test_template_matches_per_request_sdpa_and_never_reads_past_seq_len(batch, h
     assert_matches(out, sdpa_reference(q, dense, lens, scale), dtype)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_template_keeps_a_nan_in_an_attended_row(cache_dtype):
+    """A NaN in a row a request attends makes every head of it NaN, as in SDPA: in the first block, where
+    the running max starts at -inf (a NaN max must not read as a block of -inf scores, skipped), and in
+    a later one through the rope columns alone. The other requests are untouched."""
+    q, cache, block_tables, lens, dense = paged_case(3, 16, [300, 129, 50], 16, torch.bfloat16)
+    kv_scale = None
+    if cache_dtype != torch.bfloat16:
+        cache, kv_scale, values = fp8_cache(cache, cache_dtype, per_row=True)
+        positions = torch.arange(300)
+        dense = values.view(-1, LORA + ROPE)[block_tables[:, positions // 16] * 16 + positions % 16]
+    rows = cache.view(-1, LORA + ROPE)
+    rows[block_tables[0, 0] * 16 + 3, 7] = float("nan")  # request 0, row 3: a latent column (key and value)
+    rows[block_tables[1, 8] * 16 + 0, LORA + 5] = float("nan")  # request 1, row 128: a rope column
+    tensors = {} if kv_scale is None else {"kv_scale": kv_scale}
+    out, _ = run_template(compiled_op(scale=0.07), q, cache, block_tables, lens, **tensors)
+    assert out[:2].isnan().all() and not out[2].isnan().any()
+    assert_matches(out[2:], sdpa_reference(q[2:], dense[2:], lens[2:], 0.07), torch.bfloat16)
+    eager = op(q, cache, block_tables, lens, LORA, 0.07, **tensors)
+    assert eager[:2].isnan().all()
+
+
 def test_template_on_two_threads_merges_every_split():
     """The suite runs one thread per worker; the template's num_threads is fixed at compile time, so
     compile one on two threads: tasks of several splits run concurrently and merge after the barrier."""

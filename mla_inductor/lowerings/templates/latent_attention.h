@@ -414,6 +414,11 @@ inline void pv_tail_fp32(const float* p, int64_t ldp, Rows v, int n, int64_t c, 
   }
 }
 
+// max(a, b), or NaN if either is: a NaN score (a NaN in a row the query reads) must reach the output, as in
+// SDPA. (std::max(-inf, NaN) is -inf: the first block's NaN would have read as a block of -inf scores and
+// been skipped, its other rows with it.)
+inline float max_keeping_nan(float a, float b) { return std::isnan(a) || b < a ? a : b; }
+
 // Online-softmax state of one task: per head the running max and sum, and the unnormalised output.
 struct SoftmaxState {
   float* m;  // [H]
@@ -507,7 +512,8 @@ inline void softmax_step(float* s, int H, int n, float softcap, const float* bia
       if (softcap > 0.f || bias != nullptr) x.store(row + j, count);
       block_max = at::vec::maximum(block_max, Vec::set(Vec(-std::numeric_limits<float>::infinity()), x, count));
     }
-    const float m_new = std::max(
+    // (at::vec::maximum keeps NaN)
+    const float m_new = max_keeping_nan(
         st.m[h], at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, block_max));
     P* prob = p + h * kKvBlock;
     if (m_new == -std::numeric_limits<float>::infinity()) {  // only -inf scores so far: nothing to weigh
@@ -1436,7 +1442,7 @@ template <typename T, typename C, int H, int64_t L>
 inline void merge_splits(const float* tasks, int64_t splits, int h, float* latent) {
   constexpr int64_t kTask = kTaskFloats<H, L>;
   float m_max = -std::numeric_limits<float>::infinity();
-  for (int64_t sp = 0; sp < splits; ++sp) m_max = std::max(m_max, tasks[sp * kTask + h]);
+  for (int64_t sp = 0; sp < splits; ++sp) m_max = max_keeping_nan(m_max, tasks[sp * kTask + h]);
   if (m_max == -std::numeric_limits<float>::infinity()) {
     std::fill(latent, latent + L, 0.f);
     return;
