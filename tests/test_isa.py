@@ -113,9 +113,9 @@ def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, bloc
     # grouped-query decode over an e4m3 cache: groups of 4 heads, whose tiles widen the rows from the cache
     gqa_q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
     gqa_k, gqa_v = (torch.randn(2, 2, 300, 64, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+    fp8_cache = (cache.float() / fp8_scale).to(torch.float8_e4m3fn)
     return (torch.randn(tokens, q_lora_rank, generator=g).bfloat16(), angles.cos().bfloat16(),
-            angles.sin().bfloat16(), cache, tables, lens, (cache.float() / fp8_scale).to(torch.float8_e4m3fn), fp8_scale,
-            gqa_q, gqa_k, gqa_v)
+            angles.sin().bfloat16(), cache, tables, lens, fp8_cache, fp8_scale, gqa_q, gqa_k, gqa_v)
 
 
 def compile_frozen(module, inputs, backend="mla_inductor"):
