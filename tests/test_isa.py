@@ -21,6 +21,7 @@ from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_w
 
 AVX2_TARGET = {"cpp.march": "haswell", "cpp.simdlen": 256}  # AVX2, FMA, F16C; 8-lane Vectorized<float>
 AVX512_BF16_TARGET = {"cpp.march": "sapphirerapids"}
+AVX512_BF16_WITHOUT_AMX_TARGET = {"cpp.march": "cooperlake"}  # as on Zen 4: dpbf16, no AMX tiles
 
 
 def test_host_isa_follows_the_cpu_flags():
@@ -124,11 +125,10 @@ def compile_frozen(module, inputs, backend="mla_inductor"):
         return run_and_get_code(torch.compile(module, backend=backend), *inputs)
 
 
-@pytest.mark.skipif(isa.host_isa() == "avx2", reason="AVX2 is this CPU's own target: every template test runs it")
-@pytest.mark.skipif(not isa.at_least("avx2", isa.host_isa()), reason="this CPU cannot run AVX2 code")
-def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
+def run_for_target(target):
+    """Projections compiled for `target` and run here, against the ops' references."""
     module, inputs = Projections().eval(), projection_inputs()
-    with torch._inductor.config.patch(AVX2_TARGET):
+    with torch._inductor.config.patch(target):
         outputs, (code,) = compile_frozen(module, inputs)
     # two latent decode attentions (bf16, fp8) and the grouped-query one
     assert code.count("mi::attend_split") == 3 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
@@ -140,6 +140,20 @@ def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
                                rtol=1e-2)
     for actual, reference in zip(outputs[1:], expected[1:]):
         torch.testing.assert_close(actual.float(), reference.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(isa.host_isa() == "avx2", reason="AVX2 is this CPU's own target: every template test runs it")
+@pytest.mark.skipif(not isa.at_least("avx2", isa.host_isa()), reason="this CPU cannot run AVX2 code")
+def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
+    run_for_target(AVX2_TARGET)
+
+
+@pytest.mark.skipif(isa.host_isa() != "amx",
+                    reason="without AMX this is the CPU's own path (every template test runs it) or one it cannot run")
+def test_templates_compiled_for_avx512_bf16_without_amx_run_here():
+    """An AVX512-BF16 CPU without AMX (Zen 4) runs the dpbf16 decode tiles for a bf16 cache, the AVX-512
+    fp8 widening (the latent one included, which an AMX CPU's tiles take over) and its own weight tiles."""
+    run_for_target(AVX512_BF16_WITHOUT_AMX_TARGET)
 
 
 def compile_only(gm, example_inputs):
