@@ -76,8 +76,8 @@ class Projections(nn.Module):
     """q_b_absorb on weights that freezing makes constants (bf16 packed in the target's layout; W8A8's
     int8 and fp8 blocks, the integer and the fp8 tiles), and latent decode attention over a paged cache,
     bf16 and fp8, with 16 heads (the AMX tiles on an AMX target, the fp8 widening elsewhere), and
-    grouped-query decode over an e4m3 cache (the fp8 widening in the score tiles), in one graph: one
-    compile covers the kernels."""
+    grouped-query decode over a bf16 and an e4m3 cache (groups of 4 widen the rows from the cache: in
+    pairs on AVX2 for bf16), in one graph: one compile covers the kernels."""
 
     def __init__(self, heads=16, nope=16, rope=8, latent=64, q_lora_rank=99):
         super().__init__()
@@ -91,6 +91,7 @@ class Projections(nn.Module):
         self.latent = latent
 
     def forward(self, q_a, cos, sin, cache, tables, lens, fp8_cache, fp8_scale, gqa_q, gqa_k, gqa_v):
+        gqa = torch.ops.mla.gqa_decode_attention
         q = torch.ops.mla.q_b_absorb(q_a, self.q_b_weight, self.w_kc, cos, sin, "interleaved")
         q_w8a8 = torch.ops.mla.q_b_absorb(q_a, self.q_b_int8, self.w_kc, cos, sin, "interleaved", self.q_b_int8_scale,
                                           None, "int8")
@@ -98,7 +99,7 @@ class Projections(nn.Module):
                                          FP8_BLOCK)
         return (q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1),
                 torch.ops.mla.latent_decode_attention(q, fp8_cache, tables, lens, self.latent, 0.1, kv_scale=fp8_scale),
-                q_w8a8, q_fp8, torch.ops.mla.gqa_decode_attention(gqa_q, gqa_k, gqa_v))
+                q_w8a8, q_fp8, gqa(gqa_q, gqa_k.bfloat16(), gqa_v.bfloat16()), gqa(gqa_q, gqa_k, gqa_v))
 
 
 QUANTIZED_KERNELS = ("mi::QuantizedGemm<mi::ActivationQuant::kSglang,", "mla_inductor::Float8_e4m3fn_finite")
@@ -111,7 +112,7 @@ def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, bloc
     tables = torch.randperm(tokens * 3, generator=g).view(tokens, 3)
     lens = torch.tensor([rows, 1, 2 * block_size + 1][:tokens])
     fp8_scale = cache.float().abs().amax(-1, keepdim=True) / 448
-    # grouped-query decode over an e4m3 cache: groups of 4 heads, whose tiles widen the rows from the cache
+    # grouped-query decode: groups of 4 heads, whose tiles widen the rows from the cache
     gqa_q = torch.randn(2, 8, 1, 64, generator=g).bfloat16()
     gqa_k, gqa_v = (torch.randn(2, 2, 300, 64, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
     fp8_cache = (cache.float() / fp8_scale).to(torch.float8_e4m3fn)
@@ -130,8 +131,8 @@ def run_for_target(target):
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(target):
         outputs, (code,) = compile_frozen(module, inputs)
-    # two latent decode attentions (bf16, fp8) and the grouped-query one
-    assert code.count("mi::attend_split") == 3 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
+    # two latent decode attentions (bf16, fp8) and two grouped-query ones (bf16, e4m3)
+    assert code.count("mi::attend_split") == 4 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
     assert all(kernel in code for kernel in QUANTIZED_KERNELS)
     with torch.no_grad():
         expected = module(*inputs)  # the ops' eager references
@@ -169,6 +170,6 @@ def test_avx512_bf16_and_amx_kernels_compile_here():
     module, inputs = Projections().eval(), projection_inputs()
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         _, (code,) = compile_frozen(module, inputs, backend=compile_only)
-    # two latent decode attentions (bf16, fp8) and the grouped-query one
-    assert code.count("mi::attend_split") == 3 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
+    # two latent decode attentions (bf16, fp8) and two grouped-query ones (bf16, e4m3)
+    assert code.count("mi::attend_split") == 4 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
     assert all(kernel in code for kernel in QUANTIZED_KERNELS)
