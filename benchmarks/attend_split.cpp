@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <new>
 #include <vector>
 
 namespace mi = mla_inductor;
@@ -24,9 +25,25 @@ constexpr int H = HEADS;
 constexpr int64_t D = KEY_DIM, L = VALUE_DIM;
 constexpr bool kOwnValues = OWN_VALUES;
 
+// Buffers aligned to 64 bytes, as PyTorch allocates a tensor's storage: a tile row or vector that
+// straddles two cache lines costs the AMX tiles much of their speed, so unaligned caches would time
+// another kernel than the op runs.
+template <typename V>
+struct Aligned64 {
+  using value_type = V;
+  Aligned64() = default;
+  template <typename U>
+  Aligned64(const Aligned64<U>&) {}
+  V* allocate(size_t n) { return static_cast<V*>(::operator new(n * sizeof(V), std::align_val_t(64))); }
+  void deallocate(V* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  bool operator==(const Aligned64&) const { return true; }
+};
+template <typename V>
+using Buffer = std::vector<V, Aligned64<V>>;
+
 // Values in [-0.5, 0.5), from a xorshift: enough for timing, and fast enough to fill a gigabyte.
 template <typename V>
-void fill(std::vector<V>& values, uint64_t seed) {
+void fill(Buffer<V>& values, uint64_t seed) {
   uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
   for (auto& v : values) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
@@ -43,7 +60,7 @@ int main(int argc, char** argv) {
   const int calls = std::atoi(argv[3]), threads = std::atoi(argv[4]);
   const int tasks = threads == 1 ? 1 : 8;
   mi::prepare_attention<T, C, H, L>();
-  std::vector<std::vector<C>> keys(caches), values(kOwnValues ? caches : 0);
+  std::vector<Buffer<C>> keys(caches), values(kOwnValues ? caches : 0);
   for (int64_t c = 0; c < caches; ++c) {
     keys[c].resize(rows * D);
     fill(keys[c], 2 * c);
@@ -52,11 +69,11 @@ int main(int argc, char** argv) {
       fill(values[c], 2 * c + 1);
     }
   }
-  std::vector<T> q(H * D);
+  Buffer<T> q(H * D);
   fill(q, 12345);
-  const std::vector<C> zero_row(std::max(D, L), C(0.f));
+  const Buffer<C> zero_row(std::max(D, L), C(0.f));
   const int64_t one_block = 0;  // a dense cache: each request's rows are one block
-  std::vector<float> m(tasks * H), l(tasks * H), o(tasks * H * L);
+  Buffer<float> m(tasks * H), l(tasks * H), o(tasks * H * L);
   std::vector<double> ns_per_row;
   for (int call = 0; call < calls; ++call) {
     const auto start = std::chrono::steady_clock::now();
