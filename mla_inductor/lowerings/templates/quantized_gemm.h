@@ -204,12 +204,12 @@ class QuantizedGemm {
 
   // `weights`: the scales of every weight the tasks will read (amx_serves).
   QuantizedGemm(int64_t M, int64_t K, std::initializer_list<WeightScales> weights)
-      : M_(M), K_(K), amx_(amx_serves(K, weights)), row_scales_(new float[M]) {
+      : M_(M), K_(K), amx_(amx_serves(K, weights)), row_scales_(line_aligned<float>(M)) {
     // quantized rows, and widened ones for the FMA tiles (the AMX tiles pack weight-only x as it is)
-    if (!amx_ || scheme != ActivationQuant::kNone) rows_.reset(new Row[M * K]);
+    if (!amx_ || scheme != ActivationQuant::kNone) rows_ = line_aligned<Row>(M * K);
 #if defined(MLA_INDUCTOR_AMX) && defined(__AMX_INT8__)
     if (amx_) {
-      packed_.reset(new uint32_t[M * dwords_per_row()]);
+      packed_ = line_aligned<uint32_t>(M * dwords_per_row());
       require_amx_permission();  // before the parallel region: an error must not be raised inside it
     }
 #endif
@@ -304,9 +304,9 @@ class QuantizedGemm {
 
   int64_t M_, K_;
   bool amx_;
-  std::unique_ptr<Row[]> rows_;
-  std::unique_ptr<float[]> row_scales_;
-  std::unique_ptr<uint32_t[]> packed_;
+  LineAligned<Row> rows_;
+  LineAligned<float> row_scales_;
+  LineAligned<uint32_t> packed_;
 };
 
 }  // namespace mla_inductor
