@@ -504,6 +504,14 @@ inline float exp_and_round(const float* row, int n, float max, P* prob) {
     Vec e = (Vec::loadu(row + j, count) - Vec(max)).exp_u20();
     if constexpr (std::is_same_v<P, float>) {
       e.store(prob + j, count);
+#if defined(__AVX512BF16__)
+    } else if constexpr (std::is_same_v<P, c10::BFloat16> && W == 16) {
+      // One vcvtneps2bf16, where at::vec rounds in integer ops. It also flushes fp32 subnormals, which
+      // the bf16 products that read p (dpbf16, AMX) would flush, so l sums what o weighs.
+      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
+      _mm256_mask_storeu_epi16(prob + j, static_cast<__mmask16>((1u << count) - 1), rounded);
+      e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+#endif
     } else {
       const at::vec::Vectorized<P> rounded = at::vec::convert<P>(e);
       rounded.store(prob + j, count);
