@@ -746,9 +746,10 @@ inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloa
 #endif
 
 // A thread's scratch, kept across its tasks (a fresh allocation per task would fault its pages in every
-// time), aligned to a cache line. A vector's buffer is not: glibc put it 16 bytes past one, so every row
-// of an AMX tile load or store from it straddled two lines, which had made the AMX P.V pass 2.8x slower
-// (157 -> 55 cycles a latent row, one thread, rows in L2; the whole row 167 -> 146 ns).
+// time), aligned to a cache line. A vector's buffer is not (glibc put it 16 or 48 bytes past one), and
+// every row of an AMX tile load or store from it then straddles two lines: in attend_split.py's harness
+// the AMX P.V pass ran 2.8x slower (157 -> 55 TSC cycles a latent row; the whole row 155 -> 134 ns),
+// though the op measured the same either way (docs/mla_decode.md).
 inline float* thread_scratch(int64_t floats) {
   constexpr int64_t kLine = 64 / sizeof(float);
   thread_local std::vector<float> buffer;

@@ -21,8 +21,8 @@
 namespace mla_inductor {
 
 // Scratch arrays aligned to a cache line. glibc's new[] puts a large array 16 bytes past one, so that
-// every 64-byte vector or AMX tile row read from it straddles two lines: an AMX tile pass over such rows
-// ran 2.8x slower than over aligned ones (docs/mla_decode.md).
+// every 64-byte vector or AMX tile row read from it straddles two lines (an AMX tile pass over such rows
+// ran 2.8x slower in a harness, docs/mla_decode.md).
 struct FreeLineAligned {
   void operator()(void* p) const { ::operator delete[](p, std::align_val_t(64)); }
 };
