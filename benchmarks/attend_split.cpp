@@ -15,7 +15,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <new>
 #include <vector>
 
 namespace mi = mla_inductor;
@@ -25,30 +24,18 @@ constexpr int H = HEADS;
 constexpr int64_t D = KEY_DIM, L = VALUE_DIM;
 constexpr bool kOwnValues = OWN_VALUES;
 
-// Buffers aligned to 64 bytes, as PyTorch allocates a tensor's storage: a tile row or vector that
-// straddles two cache lines costs the AMX tiles much of their speed, so unaligned caches would time
-// another kernel than the op runs.
+// Values in [-0.5, 0.5), from a xorshift: enough for timing, and fast enough to fill a gigabyte. The
+// buffers are line-aligned (mi::line_aligned), as PyTorch aligns a tensor's storage: rows that AMX tiles
+// load straddling two cache lines would time another kernel than the op runs.
 template <typename V>
-struct Aligned64 {
-  using value_type = V;
-  Aligned64() = default;
-  template <typename U>
-  Aligned64(const Aligned64<U>&) {}
-  V* allocate(size_t n) { return static_cast<V*>(::operator new(n * sizeof(V), std::align_val_t(64))); }
-  void deallocate(V* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
-  bool operator==(const Aligned64&) const { return true; }
-};
-template <typename V>
-using Buffer = std::vector<V, Aligned64<V>>;
-
-// Values in [-0.5, 0.5), from a xorshift: enough for timing, and fast enough to fill a gigabyte.
-template <typename V>
-void fill(Buffer<V>& values, uint64_t seed) {
+mi::LineAligned<V> filled(int64_t n, uint64_t seed) {
+  mi::LineAligned<V> values = mi::line_aligned<V>(n);
   uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
-  for (auto& v : values) {
+  for (int64_t i = 0; i < n; ++i) {
     x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-    v = V(static_cast<float>(x >> 40) / float(1 << 24) - 0.5f);
+    values[i] = V(static_cast<float>(x >> 40) / float(1 << 24) - 0.5f);
   }
+  return values;
 }
 
 int main(int argc, char** argv) {
@@ -60,32 +47,27 @@ int main(int argc, char** argv) {
   const int calls = std::atoi(argv[3]), threads = std::atoi(argv[4]);
   const int tasks = threads == 1 ? 1 : 8;
   mi::prepare_attention<T, C, H, L>();
-  std::vector<Buffer<C>> keys(caches), values(kOwnValues ? caches : 0);
+  std::vector<mi::LineAligned<C>> keys, values;
   for (int64_t c = 0; c < caches; ++c) {
-    keys[c].resize(rows * D);
-    fill(keys[c], 2 * c);
-    if constexpr (kOwnValues) {
-      values[c].resize(rows * L);
-      fill(values[c], 2 * c + 1);
-    }
+    keys.push_back(filled<C>(rows * D, 2 * c));
+    if constexpr (kOwnValues) values.push_back(filled<C>(rows * L, 2 * c + 1));
   }
-  Buffer<T> q(H * D);
-  fill(q, 12345);
-  const Buffer<C> zero_row(std::max(D, L), C(0.f));
+  const mi::LineAligned<T> q = filled<T>(H * D, 12345);
+  const std::vector<C> zero_row(std::max(D, L), C(0.f));
   const int64_t one_block = 0;  // a dense cache: each request's rows are one block
-  Buffer<float> m(tasks * H), l(tasks * H), o(tasks * H * L);
+  std::vector<float> m(tasks * H), l(tasks * H), o(tasks * H * L);
   std::vector<double> ns_per_row;
   for (int call = 0; call < calls; ++call) {
     const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int task = 0; task < tasks; ++task) {
       const int64_t c = (int64_t(call) * tasks + task) % caches;
-      const mi::RequestRows<C, int64_t> request{keys[c].data(), D, nullptr,
-                                                kOwnValues ? values[c].data() : nullptr, L, rows, &one_block};
+      const mi::RequestRows<C, int64_t> request{keys[c].get(), D, nullptr,
+                                                kOwnValues ? values[c].get() : nullptr, L, rows, &one_block};
       std::fill_n(m.data() + task * H, H, -INFINITY);
       std::fill_n(l.data() + task * H, H, 0.f);
       mi::SoftmaxState st{m.data() + task * H, l.data() + task * H, o.data() + task * H * L};
-      mi::attend_split<T, C, int64_t, H, D, 0, L>(q.data(), D, request, 0, rows, 0.1f, 0.f,
+      mi::attend_split<T, C, int64_t, H, D, 0, L>(q.get(), D, request, 0, rows, 0.1f, 0.f,
                                                   static_cast<const bool*>(nullptr), zero_row.data(), st);
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

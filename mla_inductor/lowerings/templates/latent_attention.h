@@ -746,16 +746,19 @@ inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloa
 #endif
 
 // A thread's scratch, kept across its tasks (a fresh allocation per task would fault its pages in every
-// time), aligned to a cache line. A vector's buffer is not (glibc put it 16 or 48 bytes past one), and
-// every row of an AMX tile load or store from it then straddles two lines: in attend_split.py's harness
-// the AMX P.V pass ran 2.8x slower (157 -> 55 TSC cycles a latent row; the whole row 155 -> 134 ns),
-// though the op measured the same either way (docs/mla_decode.md).
+// time), aligned to a cache line (line_aligned: a std::vector's buffer, which this was, lay 16 or 48 bytes
+// past one, and every row of an AMX tile from it straddled two lines; in attend_split.py's harness the
+// AMX P.V pass ran 2.8x slower, 157 -> 55 TSC cycles a latent row, though the op measured the same
+// either way, docs/mla_decode.md).
 inline float* thread_scratch(int64_t floats) {
-  constexpr int64_t kLine = 64 / sizeof(float);
-  thread_local std::vector<float> buffer;
-  if (static_cast<int64_t>(buffer.size()) < floats + kLine) buffer.resize(floats + kLine);
-  const auto misaligned = reinterpret_cast<uintptr_t>(buffer.data()) % 64 / sizeof(float);
-  return buffer.data() + (misaligned == 0 ? 0 : kLine - misaligned);
+  thread_local LineAligned<float> buffer;
+  thread_local int64_t size = 0;
+  if (size < floats) {
+    buffer = line_aligned<float>(floats);
+    std::fill_n(buffer.get(), floats, 0.f);  // (as the vector's were)
+    size = floats;
+  }
+  return buffer.get();
 }
 
 // Row i of a block's rows, past its end the next block's, past those nullptr.

@@ -76,9 +76,14 @@ constexpr float kWidenedScale = std::is_same_v<T, Float8_e4m3fn_finite> ? 0x1p-1
 
 #if defined(__AVX2__)
 // e4m3fn's one NaN, S.1111.111, with its fields in an fp16's places (below): all ones, an fp16 NaN.
-template <typename V>
+// Bytes of T = Float8_e4m3fn_nan_free were checked to hold none, and skip the fix.
+template <typename T, typename V>
 __attribute__((always_inline)) inline V e4m3fn_nan_kept(V half) {
-  return half | ((half & 0x3f80) == 0x3f80);
+  if constexpr (std::is_same_v<T, Float8_e4m3fn_nan_free>) {
+    return half;
+  } else {
+    return half | ((half & 0x3f80) == 0x3f80);
+  }
 }
 
 // e5m2 is the high byte of an fp16. c10::Float8_e4m3fn's exponent and mantissa fields move to fp16's
@@ -93,10 +98,8 @@ template <typename T, typename V>
 __attribute__((always_inline)) inline V fp8_as_fp16(V high) {
   if constexpr (std::is_same_v<T, c10::Float8_e5m2>) {
     return high;
-  } else if constexpr (std::is_same_v<T, Float8_e4m3fn_nan_free>) {
-    return (high >> 1) & int16_t(0xbfff);
   } else {
-    return e4m3fn_nan_kept((high >> 1) & int16_t(0xbfff));
+    return e4m3fn_nan_kept<T>((high >> 1) & int16_t(0xbfff));
   }
 }
 
@@ -106,12 +109,7 @@ __attribute__((always_inline)) inline V fp8_as_fp16(V high) {
 // on the AMX Xeon (docs/mla_decode.md).
 template <typename T, typename V>
 __attribute__((always_inline)) inline V e4m3fn_as_fp16(V sign_extended) {
-  const V half = (sign_extended << 7) & int16_t(0xbfff);
-  if constexpr (std::is_same_v<T, Float8_e4m3fn_nan_free>) {
-    return half;
-  } else {
-    return e4m3fn_nan_kept(half);
-  }
+  return e4m3fn_nan_kept<T>((sign_extended << 7) & int16_t(0xbfff));
 }
 
 // Eight fp8 values widened to fp32 (times kWidenedScale): the bytes unpacked into the high halves of
