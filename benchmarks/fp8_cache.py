@@ -11,8 +11,11 @@ default; at least 8 and 16 layers):
   as SGLang's and vLLM's MLA decode kernels do. `--w-vc` adds the W_vc de-absorption: its 2.75 MiB a
   layer are read whatever the cache's format, so they count in the bytes read and cap what an fp8 cache
   can gain (1.45x at 4096 rows).
-Each compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's) and
-an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
+Each step is one compiled graph over all its layers, as a model's decode step is: compiled per layer,
+every layer paid torch.compile's per-call overhead, about 0.1 ms on the AMX Xeon, the same in every
+variant (the gqa step over e5m2 measured 1.39x that way, 1.44x as one graph; docs/mla_decode.md). Each
+step is compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's)
+and an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
 throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products run
 as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles take it
 (16 or more heads per cached row on an AMX CPU). Prints medians; asserts nothing.
@@ -51,11 +54,13 @@ def gqa_step(args, dtype):
         v, v_scale = quantized(torch.randn(1, args.context, kv_heads, head_dim), dtype, (-2, -1))
         scales = [None if s is None else s.transpose(1, 2) for s in (k_scale, v_scale)]
         layers_kv.append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous(), *scales))
-    fn = torch.compile(lambda q, k, v, ks, vs: torch.ops.mla.gqa_decode_attention(q, k, v, k_scale=ks, v_scale=vs),
-                       backend="mla_inductor", dynamic=False)
+    def step(q, layers_kv):
+        return [torch.ops.mla.gqa_decode_attention(q, k, v, k_scale=ks, v_scale=vs) for k, v, ks, vs in layers_kv]
+
+    fn = torch.compile(step, backend="mla_inductor", dynamic=False)
     cache_bytes = sum(k.nbytes + v.nbytes for k, v, *_ in layers_kv)
     flops = layers * heads * args.context * 2 * 2 * head_dim
-    return (lambda: [fn(q, *kv) for kv in layers_kv]), cache_bytes, flops, layers, heads // kv_heads
+    return (lambda: fn(q, layers_kv)), cache_bytes, flops, layers, heads // kv_heads
 
 
 def latent_step(args, dtype):
@@ -67,15 +72,18 @@ def latent_step(args, dtype):
     w_vcs = [(torch.randn(heads, v_head_dim, lora) * lora**-0.5).bfloat16() if args.w_vc else None
              for _ in range(layers)]
     seq_lens = torch.tensor([args.context])
-    fn = torch.compile(lambda q, c, s, w: torch.ops.mla.latent_decode_attention(
-        q, c, block_tables, seq_lens, lora, 0.1, w_vc=w, kv_scale=s), backend="mla_inductor", dynamic=False)
+    def step(q, caches, w_vcs):
+        return [torch.ops.mla.latent_decode_attention(q, c, block_tables, seq_lens, lora, 0.1, w_vc=w, kv_scale=s)
+                for (c, s), w in zip(caches, w_vcs)]
+
+    fn = torch.compile(step, backend="mla_inductor", dynamic=False)
     row_bytes = (lora + rope) * caches[0][0].element_size()
     bytes_read = layers * args.context * row_bytes
     flops = layers * heads * args.context * 2 * (lora + rope + lora)
     if args.w_vc:
         bytes_read += sum(w.nbytes for w in w_vcs)
         flops += layers * heads * 2 * v_head_dim * lora
-    return (lambda: [fn(q, c, s, w) for (c, s), w in zip(caches, w_vcs)]), bytes_read, flops, layers, heads
+    return (lambda: fn(q, caches, w_vcs)), bytes_read, flops, layers, heads
 
 
 def bench(name, make_step, args):
