@@ -57,7 +57,7 @@ def gqa_step(args, dtype):
     def step(q, layers_kv):
         return [torch.ops.mla.gqa_decode_attention(q, k, v, k_scale=ks, v_scale=vs) for k, v, ks, vs in layers_kv]
 
-    fn = torch.compile(step, backend="mla_inductor", dynamic=False)
+    fn = torch.compile(benchmarking.fresh_function(step), backend="mla_inductor", dynamic=False)
     cache_bytes = sum(k.nbytes + v.nbytes for k, v, *_ in layers_kv)
     flops = layers * heads * args.context * 2 * 2 * head_dim
     return (lambda: fn(q, layers_kv)), cache_bytes, flops, layers, heads // kv_heads
@@ -76,7 +76,7 @@ def latent_step(args, dtype):
         return [torch.ops.mla.latent_decode_attention(q, c, block_tables, seq_lens, lora, 0.1, w_vc=w, kv_scale=s)
                 for (c, s), w in zip(caches, w_vcs)]
 
-    fn = torch.compile(step, backend="mla_inductor", dynamic=False)
+    fn = torch.compile(benchmarking.fresh_function(step), backend="mla_inductor", dynamic=False)
     row_bytes = (lora + rope) * caches[0][0].element_size()
     bytes_read = layers * args.context * row_bytes
     flops = layers * heads * args.context * 2 * (lora + rope + lora)

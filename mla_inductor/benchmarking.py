@@ -14,6 +14,7 @@ import math
 import pathlib
 import statistics
 import time
+import types
 from typing import Callable, Mapping, Optional, Sequence
 
 import torch
@@ -47,6 +48,14 @@ def fresh_compiles() -> None:
     torch._dynamo.config.recompile_limit = 64
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
+
+
+def fresh_function(fn: Callable) -> Callable:
+    """fn with a code object of its own. Dynamo keeps compiled graphs per code object, so a function made
+    twice from one `def` (or lambda) and compiled twice is served from the first compile whenever its
+    guards pass: two versions of the templates compiled in one process (benchmarks/template_ab.py) would
+    both run the first version's kernels."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def layers_past_the_cache(bytes_per_layer: float, at_least: int, times: float = 1.2) -> int:
