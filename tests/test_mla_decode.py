@@ -265,6 +265,21 @@ def test_template_on_two_threads_merges_every_split():
     assert_matches(out, sdpa_reference(q, dense, lens, 0.07, w_vc), torch.bfloat16)
 
 
+def test_one_request_on_two_threads_splits_and_merges():
+    """One request of 200 rows on two threads: fewer requests than threads split it into blocks (128 +
+    72 rows) rather than leave a thread idle."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, cache, block_tables, lens, dense = paged_case(1, 5, [200], 16, torch.bfloat16)
+        fn = torch.compile(lambda q, c, t, n: op(q, c, t, n, LORA, 0.07), backend="mla_inductor")
+        out, code = run_template(fn, q, cache, block_tables, lens)
+    finally:
+        torch.set_num_threads(threads)
+    assert "num_threads(2)" in code
+    assert_matches(out, sdpa_reference(q, dense, lens, 0.07), torch.bfloat16)
+
+
 def test_template_de_absorbs_writes_the_new_row_and_caps():
     q, cache, block_tables, lens, dense = paged_case(3, 5, [20, 33, 0], 16, torch.bfloat16)
     new = torch.randn(3, LORA + ROPE).to(torch.bfloat16)

@@ -448,11 +448,17 @@ struct SoftmaxState {
 };
 
 // Splits per request: enough tasks to keep every thread busy, but no split shorter than two blocks
-// (the merge and the per-task scratch are not free).
+// (the merge and the per-task scratch are not free), unless threads would idle: with fewer requests
+// than threads, a request splits into blocks down to one each, as long as its last split holds half a
+// block or more. (B=1 on two threads of the AMX Xeon, latent decode, 22 heads: 256 rows 62.5 -> 42.4 µs
+// a layer, 200 rows 52.2 -> 39.7; at 160 rows a split of 32 rows measured no gain.)
 inline int64_t kv_splits(int64_t requests, int64_t max_len, int threads) {
   constexpr int64_t kMinSplitRows = 2 * kKvBlock;
-  return std::max<int64_t>(
-      1, std::min<int64_t>((4 * threads + requests - 1) / requests, (max_len + kMinSplitRows - 1) / kMinSplitRows));
+  const int64_t balanced =
+      std::min<int64_t>((4 * threads + requests - 1) / requests, (max_len + kMinSplitRows - 1) / kMinSplitRows);
+  const int64_t filling =
+      std::min<int64_t>((threads + requests - 1) / requests, (max_len + kKvBlock / 2) / kKvBlock);
+  return std::max<int64_t>({1, balanced, filling});
 }
 
 // Rows [j0, j1) of split `split` of a request's rows [begin, end): whole blocks, the last split takes
