@@ -1114,7 +1114,8 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, int n, const float* alpha) {
         if (two) _tile_loadd(7, o + G * Task::kOStride, Task::kOStride * 4);
       }
       // per 32 rows of the block: the value tile, the first group's product, the second group's
-      // probabilities and product (tile numbers are immediates: the steps are written out)
+      // probabilities and product (the steps are written out: GCC's _tile_* macros paste the tile
+      // numbers into the asm text, which takes literals, not even template parameters)
       const auto second_group = [&](int ks) __attribute__((always_inline)) {
         if (two) {
           _tile_loadd(6, pg + G * kKvBlock + 32 * ks, kKvBlock * 2);
