@@ -8,7 +8,9 @@ mislead (docs/mla_decode.md: aligning the scratch gained the harness 15% and the
 
 The headers are read when a kernel is generated (`template.template_source`, cached: cleared here
 between the versions), and the generated C++ holds their text, so two versions that differ compile to
-two kernels. Inductor's FX-graph cache is off. Prints medians; asserts nothing.
+two kernels. Inductor's FX-graph cache is off, and fp8_cache.py compiles each step through
+`benchmarking.fresh_function`, so that Dynamo does not serve the second version from the first's
+compile. Prints medians; asserts nothing.
 
     python benchmarks/template_ab.py BEFORE [AFTER] [--part latent gqa] [--cache bf16 e4m3 e5m2]
                                      [--layers N] [--rounds 9]

@@ -1113,33 +1113,21 @@ inline void block_pv_amx(AmxTask<H, D, L>& t, int n, const float* alpha) {
         _tile_loadd(0, o, Task::kOStride * 4);
         if (two) _tile_loadd(7, o + G * Task::kOStride, Task::kOStride * 4);
       }
-      // per 32 rows of the block: the value tile, the first group's product, the second group's
-      // probabilities and product (the steps are written out: GCC's _tile_* macros paste the tile
-      // numbers into the asm text, which takes literals, not even template parameters)
-      const auto second_group = [&](int ks) __attribute__((always_inline)) {
+      // 32 rows of the block: the value tile, the first group's product (its probabilities in tile
+      // 2 + ks, passed as a lambda: GCC's _tile_* macros paste the tile numbers into the asm text, which
+      // takes literals, not even template parameters), the second group's probabilities and product
+      const auto step = [&](int ks, auto first_group_product) __attribute__((always_inline)) {
+        _tile_loadd(1, v + 16 * ks * kPairRowBytes, kPairRowBytes);
+        first_group_product();
         if (two) {
           _tile_loadd(6, pg + G * kKvBlock + 32 * ks, kKvBlock * 2);
           _tile_dpbf16ps(7, 6, 1);
         }
       };
-      _tile_loadd(1, v, kPairRowBytes);
-      _tile_dpbf16ps(0, 2, 1);
-      second_group(0);
-      if (steps > 1) {
-        _tile_loadd(1, v + 16 * kPairRowBytes, kPairRowBytes);
-        _tile_dpbf16ps(0, 3, 1);
-        second_group(1);
-      }
-      if (steps > 2) {
-        _tile_loadd(1, v + 32 * kPairRowBytes, kPairRowBytes);
-        _tile_dpbf16ps(0, 4, 1);
-        second_group(2);
-      }
-      if (steps > 3) {
-        _tile_loadd(1, v + 48 * kPairRowBytes, kPairRowBytes);
-        _tile_dpbf16ps(0, 5, 1);
-        second_group(3);
-      }
+      step(0, [] { _tile_dpbf16ps(0, 2, 1); });
+      if (steps > 1) step(1, [] { _tile_dpbf16ps(0, 3, 1); });
+      if (steps > 2) step(2, [] { _tile_dpbf16ps(0, 4, 1); });
+      if (steps > 3) step(3, [] { _tile_dpbf16ps(0, 5, 1); });
       _tile_stored(0, o, Task::kOStride * 4);
       if (two) _tile_stored(7, o + G * Task::kOStride, Task::kOStride * 4);
     }
