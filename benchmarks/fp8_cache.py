@@ -18,7 +18,11 @@ step is compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one sca
 and an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
 throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products run
 as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles take it
-(16 or more heads per cached row on an AMX CPU). Prints medians; asserts nothing.
+(16 or more heads per cached row on an AMX CPU). Each step is also timed over a few layers whose caches
+the last-level cache holds, read again: its cost with the memory out of the way. The bf16 step's time a
+layer from memory over that is the "ceiling": the most an fp8 cache can gain on this CPU unless its
+arithmetic gets cheaper, however well the kernel overlaps it with the read (for the bf16 row, what the
+bf16 step loses to the memory). Prints medians; asserts nothing.
 
     python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096] [--w-vc]
 """
@@ -42,10 +46,11 @@ def quantized(x, dtype, scale_dims):
     return (x.float() / scale).to(dtype), scale
 
 
-def gqa_step(args, dtype):
+def gqa_step(args, dtype, in_cache=False):
     heads, kv_heads, head_dim = 32, 8, 128
-    layers = args.gqa_layers or benchmarking.layers_past_the_cache(
-        2 * args.context * kv_heads * head_dim, 8, times=2)
+    fp8_layer_bytes = 2 * args.context * kv_heads * head_dim
+    layers = (layers_in_the_cache(fp8_layer_bytes) if in_cache else
+              args.gqa_layers or benchmarking.layers_past_the_cache(fp8_layer_bytes, 8, times=2))
     q = torch.randn(1, heads, 1, head_dim).bfloat16()
     layers_kv = []
     for _ in range(layers):
@@ -63,9 +68,11 @@ def gqa_step(args, dtype):
     return (lambda: fn(q, layers_kv)), cache_bytes, flops, layers, heads // kv_heads
 
 
-def latent_step(args, dtype):
+def latent_step(args, dtype, in_cache=False):
     heads, lora, rope, v_head_dim, block_size = 22, 512, 64, 128, 16
-    layers = args.latent_layers or benchmarking.layers_past_the_cache(args.context * (lora + rope), 16, times=2)
+    fp8_layer_bytes = args.context * (lora + rope)
+    layers = (layers_in_the_cache(fp8_layer_bytes) if in_cache else
+              args.latent_layers or benchmarking.layers_past_the_cache(fp8_layer_bytes, 16, times=2))
     block_tables, num_blocks = make_block_tables(1, args.context, block_size, seed=0)
     q = torch.randn(1, heads, lora + rope).bfloat16()
     caches = [quantized(torch.randn(num_blocks, block_size, lora + rope), dtype, (-1,)) for _ in range(layers)]
@@ -86,14 +93,25 @@ def latent_step(args, dtype):
     return (lambda: fn(q, caches, w_vcs)), bytes_read, flops, layers, heads
 
 
+def layers_in_the_cache(fp8_layer_bytes):
+    """Layers whose fp8 caches fill at most a quarter of the last-level cache, one to eight, for the step
+    timed with its caches read again from there: what its kernels' per-row work costs with the memory out
+    of the way (a time a layer, so eight where they fit: one layer pays all of torch.compile's per-call
+    work, about 0.1 ms)."""
+    return max(1, min(8, benchmarking.last_level_cache_bytes() // (4 * fp8_layer_bytes)))
+
+
 def bench(name, make_step, args):
     dtypes = {"bf16": torch.bfloat16, "e4m3, per-token scales": E4M3, "e5m2": E5M2}
     steps = {label: make_step(args, dtype) for label, dtype in dtypes.items()}
+    in_cache = {label: make_step(args, dtype, in_cache=True) for label, dtype in dtypes.items()}
     layers, heads_per_row = steps["bf16"][3:]
+    cached_layers = in_cache["bf16"][3]
     copy, copy_bytes = benchmarking.copy_probe()
     gemm_bf16, gemm_bf16_flops = benchmarking.gemm_probe(torch.bfloat16)
     gemm_fp32, gemm_fp32_flops = benchmarking.gemm_probe(torch.float32)
     fns = {label: step for label, (step, *_) in steps.items()}
+    fns.update({f"{label}, in cache": step for label, (step, *_) in in_cache.items()})
     with torch.no_grad():
         for fn in fns.values():
             fn()  # compile
@@ -105,13 +123,18 @@ def bench(name, make_step, args):
     print(f"\n## {name}, {layers} layers, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM {isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
           f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s; fp8 caches' roof: {fp8_roof}; {benchmarking.machine_line()}")
-    print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline |")
-    print("|---|---|---|---|---|---|")
+    print(f"(in cache: the step over {cached_layers} layers, its caches read again from the last-level cache; "
+          f"ceiling: the bf16 step's time a layer over that, the most the fp8 step's arithmetic allows)")
+    print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline | ms a layer in cache | ceiling |")
+    print("|---|---|---|---|---|---|---|---|")
+    bf16_per_layer = t["bf16"] / layers
     for label, (_, bytes_read, flops, *_) in steps.items():
         compute = flops / (roof["bf16"] if label == "bf16" else roof[fp8_roof])
         roofline = max(bytes_read / bandwidth, compute)
+        cached = t[f"{label}, in cache"] / cached_layers
         print(f"| {label} | {bytes_read / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
-              f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} |", flush=True)
+              f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} | {cached * 1e3:.3f} | "
+              f"{bf16_per_layer / cached:.2f} |", flush=True)
     torch._dynamo.reset()
 
 
