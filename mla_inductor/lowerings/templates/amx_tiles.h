@@ -88,26 +88,35 @@ inline const Bf16Table& fp8_bf16_table() {
   return table;
 }
 
-// dst[0, count) = src[0, count) in bf16, in order, count <= 64. vpermi2b ignores an index's top bit,
-// so the byte itself indexes the magnitude tables and the sign is or-ed in after. unpack{lo,hi}_epi8
-// interleave bytes within 128-bit lanes: the qword shuffle first puts values 8l..8l+7 and 32+8l..32+8l+7
-// in lane l, so that the two unpacks come out in order.
+// Two runs of 32 fp8 values, their qwords alternating (128-bit lane l holds the first run's values
+// 8l..8l+7, then the second's), in bf16: `first` and `second` each a run in order (unpack{lo,hi}_epi8
+// interleave bytes within 128-bit lanes). vpermi2b ignores an index's top bit, so the byte itself
+// indexes the magnitude tables and the sign is or-ed in after.
+__attribute__((always_inline)) inline void fp8_lanes_to_bf16(__m512i x, const Bf16Table& t, __m512i& first,
+                                                             __m512i& second) {
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], x, t.lo[1]);
+  const __m512i magnitude = _mm512_permutex2var_epi8(t.hi[0], x, t.hi[1]);
+  const __m512i hi = _mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi8(char(0x80)), 0xF8);  // a | (b & c)
+  first = _mm512_unpacklo_epi8(lo, hi);
+  second = _mm512_unpackhi_epi8(lo, hi);
+}
+
+// dst[0, count) = src[0, count) in bf16, in order, count <= 64: the qword shuffle puts values 8l..8l+7
+// and 32+8l..32+8l+7 in lane l.
 template <typename C>
 __attribute__((always_inline)) inline void fp8_to_bf16x64(const C* src, c10::BFloat16* dst, const Bf16Table& t,
                                                           int count = 64) {
   const __m512i raw = count == 64 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8((1ull << count) - 1, src);
-  const __m512i x = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw);
-  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], x, t.lo[1]);
-  const __m512i magnitude = _mm512_permutex2var_epi8(t.hi[0], x, t.hi[1]);
-  const __m512i hi = _mm512_ternarylogic_epi32(magnitude, x, _mm512_set1_epi8(char(0x80)), 0xF8);  // a | (b & c)
+  __m512i first, second;
+  fp8_lanes_to_bf16(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw), t, first, second);
   if (count == 64) {
-    _mm512_storeu_si512(dst, _mm512_unpacklo_epi8(lo, hi));
-    _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi8(lo, hi));
+    _mm512_storeu_si512(dst, first);
+    _mm512_storeu_si512(dst + 32, second);
     return;
   }
   const auto first_lanes = [](int k) { return __mmask32(k >= 32 ? ~0u : (1u << k) - 1); };
-  _mm512_mask_storeu_epi16(dst, first_lanes(count), _mm512_unpacklo_epi8(lo, hi));
-  if (count > 32) _mm512_mask_storeu_epi16(dst + 32, first_lanes(count - 32), _mm512_unpackhi_epi8(lo, hi));
+  _mm512_mask_storeu_epi16(dst, first_lanes(count), first);
+  if (count > 32) _mm512_mask_storeu_epi16(dst + 32, first_lanes(count - 32), second);
 }
 
 // dst[0, n) = src[0, n) in bf16: a copy, or fp8 converted.
