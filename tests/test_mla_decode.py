@@ -411,9 +411,9 @@ def test_fp8_rows_are_read_exactly_for_every_finite_value():
 def test_fp8_cache_reads_its_values_eager_and_compiled(cache_dtype, per_row):
     """An fp8 latent cache (DeepSeek's 22 heads, blocks of 16, NaN past every length): both the eager
     op and the template attend over the cache's values, dequantized in fp32 (to bf16 accuracy), in one
-    cache of rows of 576 and with a separate k_pe cache that shares its rows' scales (on an AMX CPU the
-    one cache is converted a 32-column step at a time, the other row by row). Compiled for per-row e4m3
-    only (the widening of both formats is exact in test_gqa_decode.py and
+    cache of rows of 576 and with a separate k_pe cache that shares its rows' scales (on an AMX CPU both
+    are converted a 32-column step at a time, the k_pe columns from their own rows). Compiled for per-row
+    e4m3 only (the widening of both formats is exact in test_gqa_decode.py and
     test_fp8_rows_are_read_exactly_for_every_finite_value, a per-tensor scale is a stride of 0)."""
     q, cache, block_tables, lens, _ = paged_case(3, 22, [300, 1, 129], 16, torch.bfloat16)
     quantized, kv_scale, values = fp8_cache(cache, cache_dtype, per_row)
@@ -425,8 +425,8 @@ def test_fp8_cache_reads_its_values_eager_and_compiled(cache_dtype, per_row):
     if not per_row or cache_dtype != torch.float8_e4m3fn:
         return
     latent, rope = quantized[..., :LORA].contiguous(), quantized[..., LORA:].contiguous()
-    for caches in (dict(cache=quantized), dict(cache=latent, rope_cache=rope)):
-        out, code = run_template(compiled_op(scale=0.07), q, caches.pop("cache"), block_tables, lens, **caches,
+    for kv_cache, rope_cache in ((quantized, {}), (latent, dict(rope_cache=rope))):
+        out, code = run_template(compiled_op(scale=0.07), q, kv_cache, block_tables, lens, **rope_cache,
                                  kv_scale=kv_scale)
         assert "using cache_t = at::Float8_e" in code
         assert torch.isfinite(out).all(), "a NaN row past seq_len was read"

@@ -836,7 +836,7 @@ struct AmxTask {
   static constexpr int64_t kPairStride = 2 * L + 32;  // bf16 elements from one pair of value rows to the next
   static constexpr int64_t kOStride = L + 16;         // floats from one head's o to the next
   c10::BFloat16* q;       // [kGroups][kSteps][16 pairs][kGroupHeads][2]
-  c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16
+  c10::BFloat16* keys;    // [16][kColumns]: one row tile, bf16 (or two 16 x 32 steps of one: stage_fp8_step)
   c10::BFloat16* values;  // [kKvBlock / 2][kPairStride]: the block's value rows, pairs interleaved
   c10::BFloat16* pair;    // [2][L]: two value rows of a value cache of their own, bf16
   float* scores;          // [16][kScoresStride]: one row tile's scores
