@@ -132,16 +132,19 @@ __attribute__((always_inline)) inline void row_to_bf16(const C* src, int64_t n, 
   }
 }
 
-// dst[0, 2n) = rows a and b (n bf16 columns each, n a multiple of 32) interleaved in pairs, the layout
-// of a B operand over rows: dst[2c + e] = (e ? b : a)[c'] with c' = paired_column's permutation within
-// each 32 columns (unpack{lo,hi}_epi16 work within 128-bit lanes; the P.V output is put back in order
-// when the splits are merged, restore_column_order).
+// dst[0, 64) = 32 bf16 columns of rows a and b interleaved in pairs, the layout of a B operand over
+// rows: dst[2c + e] = (e ? b : a)[c'] with c' = paired_column's permutation of the 32 columns
+// (unpack{lo,hi}_epi16 work within 128-bit lanes; the P.V output is put back in order when the splits
+// are merged, restore_column_order).
+__attribute__((always_inline)) inline void store_interleaved(__m512i a, __m512i b, c10::BFloat16* dst) {
+  _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+  _mm512_storeu_si512(dst + 32, _mm512_unpackhi_epi16(a, b));
+}
+
+// dst[0, 2n) = rows a and b (n bf16 columns each, n a multiple of 32) so interleaved, 32 columns at a time.
 inline void interleave_rows(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n, c10::BFloat16* dst) {
-  for (int64_t c = 0; c < n; c += 32) {
-    const __m512i ra = _mm512_loadu_si512(a + c), rb = _mm512_loadu_si512(b + c);
-    _mm512_storeu_si512(dst + 2 * c, _mm512_unpacklo_epi16(ra, rb));
-    _mm512_storeu_si512(dst + 2 * c + 32, _mm512_unpackhi_epi16(ra, rb));
-  }
+  for (int64_t c = 0; c < n; c += 32)
+    store_interleaved(_mm512_loadu_si512(a + c), _mm512_loadu_si512(b + c), dst + 2 * c);
 }
 
 }  // namespace mla_inductor
