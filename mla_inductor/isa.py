@@ -51,8 +51,13 @@ _MARCH_LEVELS = {
 @functools.cache
 def host_isa() -> str:
     """The widest level this CPU supports."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
         return "default"
+    # ATen held to AVX2 (ATEN_CPU_CAPABILITY=avx2; with ONEDNN_MAX_CPU_ISA=AVX2 and the C++ built for
+    # haswell, an AVX2 machine played on an AVX-512 one: docs/testing.md) runs as on an AVX2 CPU.
+    if capability == "AVX2":
+        return "avx2"
     if not torch.cpu._is_avx512_supported():
         return "avx2"
     if not torch.cpu._is_avx512_bf16_supported():

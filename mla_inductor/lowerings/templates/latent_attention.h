@@ -510,10 +510,12 @@ inline float exp_and_round(const float* row, int n, float max, P* prob) {
     Vec e = (Vec::loadu(row + j, count) - Vec(max)).exp_u20();
     if constexpr (std::is_same_v<P, float>) {
       e.store(prob + j, count);
-#if defined(__AVX512BF16__)
-    } else if constexpr (std::is_same_v<P, c10::BFloat16> && W == 16) {
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+    } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
       // One vcvtneps2bf16, where at::vec rounds in integer ops. It also flushes fp32 subnormals, which
-      // the bf16 products that read p (dpbf16, AMX) would flush, so l sums what o weighs.
+      // the bf16 products that read p (dpbf16, AMX) would flush, so l sums what o weighs. (A target
+      // with AVX512-BF16 can still hold 8-lane vectors: Inductor builds for cpp.march's ISA with the
+      // host's Vectorized width, AVX2's on an AVX2 CPU; e is not a __m512 there.)
       const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
       _mm256_mask_storeu_epi16(prob + j, static_cast<__mmask16>((1u << count) - 1), rounded);
       e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
