@@ -14,6 +14,7 @@ and decode attention with many heads per cached row runs on AMX tiles there: doc
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import platform
 
@@ -48,22 +49,40 @@ _MARCH_LEVELS = {
 }
 
 
+# oneDNN held to an ISA (ONEDNN_MAX_CPU_ISA, as oneDNN spells it) and the level it leaves: what its GEMMs,
+# the roofline's and stock Inductor's, run at. Unlisted values leave the CPU's own level.
+_ONEDNN_ISA_LEVELS = {
+    "SSE41": "default",
+    "AVX": "default",
+    "AVX2": "avx2",
+    "AVX2_VNNI": "avx2",
+    "AVX2_VNNI_2": "avx2",
+    "AVX512_CORE": "avx512f",
+    "AVX512_CORE_VNNI": "avx512f",
+    "AVX512_CORE_BF16": "avx512_bf16",
+    "AVX512_CORE_FP16": "avx512_bf16",
+    "AVX10_1_512": "avx512_bf16",
+}
+
+
 @functools.cache
 def host_isa() -> str:
-    """The widest level this CPU supports."""
+    """The widest level this CPU supports, as far as ATen (ATEN_CPU_CAPABILITY) and oneDNN
+    (ONEDNN_MAX_CPU_ISA) are allowed to use it: held lower, with the C++ built for the same level
+    (TORCHINDUCTOR_CPP_MARCH), an AVX-512 machine runs the suite as an AVX2 or a Zen 4 one would
+    (docs/testing.md)."""
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in ("AVX2", "AVX512"):
         return "default"
-    # ATen held to AVX2 (ATEN_CPU_CAPABILITY=avx2; with ONEDNN_MAX_CPU_ISA=AVX2 and the C++ built for
-    # haswell, an AVX2 machine played on an AVX-512 one: docs/testing.md) runs as on an AVX2 CPU.
-    if capability == "AVX2":
-        return "avx2"
-    if not torch.cpu._is_avx512_supported():
-        return "avx2"
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "avx512f"
-    # AMX implies AVX512-BF16 on every CPU that has it (Sapphire Rapids and newer): never a lower level.
-    return "amx" if torch.cpu._is_amx_tile_supported() else "avx512_bf16"
+    if capability == "AVX2" or not torch.cpu._is_avx512_supported():
+        level = "avx2"
+    elif not torch.cpu._is_avx512_bf16_supported():
+        level = "avx512f"
+    else:
+        # AMX implies AVX512-BF16 on every CPU that has it (Sapphire Rapids and newer): never a lower level.
+        level = "amx" if torch.cpu._is_amx_tile_supported() else "avx512_bf16"
+    held = _ONEDNN_ISA_LEVELS.get(os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper(), level)
+    return min(level, held, key=LEVELS.index)
 
 
 @functools.cache
