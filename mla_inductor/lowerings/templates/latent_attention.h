@@ -498,32 +498,48 @@ constexpr bool use_bf16_kernels(int64_t L) {
 #endif
 }
 
-// exp(x - max) for n scores, rounded to P (the type the P.V kernel multiplies in); returns the sum of
-// the rounded values, so that numerator and denominator agree.
+// v rounded to P and stored at dst[0, count); returns the rounded values, widened back.
 template <typename P>
-inline float exp_and_round(const float* row, int n, float max, P* prob) {
+__attribute__((always_inline)) inline at::vec::Vectorized<float> store_rounded(at::vec::Vectorized<float> v, P* dst,
+                                                                               int count) {
+  if constexpr (std::is_same_v<P, float>) {
+    v.store(dst, count);
+    return v;
+#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
+  } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
+    // One vcvtneps2bf16, where at::vec rounds in integer ops. It also flushes fp32 subnormals, which
+    // the bf16 products that read p (dpbf16, AMX) would flush, so l sums what o weighs. (A target
+    // with AVX512-BF16 can still hold 8-lane vectors: Inductor builds for cpp.march's ISA with the
+    // host's Vectorized width, AVX2's on an AVX2 CPU; v is not a __m512 there.)
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+    _mm256_mask_storeu_epi16(dst, static_cast<__mmask16>((1u << count) - 1), rounded);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
+#endif
+  } else {
+    const at::vec::Vectorized<P> rounded = at::vec::convert<P>(v);
+    rounded.store(dst, count);
+    return at::vec::convert<float>(rounded);
+  }
+}
+
+// exp(x - max) for n scores, rounded to P (the type the P.V kernel multiplies in); returns the sum of
+// the rounded values, so that numerator and denominator agree. With an fp8 cache's value scales
+// (value_scale: the n rows', else nullptr) the probabilities weigh the scaled rows: exp times the scale,
+// rounded once, and the sum is of the unscaled values (the scales belong to the rows, not to the
+// weights). (Scaled in a pass of their own after the rounding, they cost a latent step at 22 heads over
+// an e4m3 cache 7% on AMX tiles, docs/mla_decode.md.)
+template <typename P>
+inline float exp_and_round(const float* row, int n, float max, const float* value_scale, P* prob) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int W = Vec::size();
   Vec sum(0.f);
   for (int j = 0; j < n; j += W) {
     const int count = std::min(W, n - j);
     Vec e = (Vec::loadu(row + j, count) - Vec(max)).exp_u20();
-    if constexpr (std::is_same_v<P, float>) {
-      e.store(prob + j, count);
-#if defined(__AVX512BF16__) && defined(CPU_CAPABILITY_AVX512)
-    } else if constexpr (std::is_same_v<P, c10::BFloat16>) {
-      // One vcvtneps2bf16, where at::vec rounds in integer ops. It also flushes fp32 subnormals, which
-      // the bf16 products that read p (dpbf16, AMX) would flush, so l sums what o weighs. (A target
-      // with AVX512-BF16 can still hold 8-lane vectors: Inductor builds for cpp.march's ISA with the
-      // host's Vectorized width, AVX2's on an AVX2 CPU; e is not a __m512 there.)
-      const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(e);
-      _mm256_mask_storeu_epi16(prob + j, static_cast<__mmask16>((1u << count) - 1), rounded);
-      e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded), 16));
-#endif
+    if (value_scale == nullptr) {
+      e = store_rounded(e, prob + j, count);
     } else {
-      const at::vec::Vectorized<P> rounded = at::vec::convert<P>(e);
-      rounded.store(prob + j, count);
-      e = at::vec::convert<float>(rounded);
+      store_rounded(e * Vec::loadu(value_scale + j, count), prob + j, count);
     }
     sum += Vec::set(Vec(0.f), e, count);  // lanes past count hold exp(-max) garbage
   }
@@ -532,10 +548,11 @@ inline float exp_and_round(const float* row, int n, float max, P* prob) {
 
 // One step of the online softmax over a block of n rows: s (scaled scores, [H, kKvBlock]) becomes the
 // probabilities p, and alpha[h] the factor that rescales the earlier o and l. bias (nullptr: none) adds
-// a mask's per-row bias to every head's scores, after the softcap.
+// a mask's per-row bias to every head's scores, after the softcap; value_scale (nullptr: none) holds the
+// rows' value scales, which p takes (exp_and_round).
 template <typename P>
-inline void softmax_step(float* s, int H, int n, float softcap, const float* bias, SoftmaxState& st, float* alpha,
-                         P* p) {
+inline void softmax_step(float* s, int H, int n, float softcap, const float* bias, const float* value_scale,
+                         SoftmaxState& st, float* alpha, P* p) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int W = Vec::size();
   for (int h = 0; h < H; ++h) {
@@ -559,7 +576,7 @@ inline void softmax_step(float* s, int H, int n, float softcap, const float* bia
       continue;
     }
     alpha[h] = std::exp(st.m[h] - m_new);
-    const float sum = exp_and_round(row, n, m_new, prob);
+    const float sum = exp_and_round(row, n, m_new, value_scale, prob);
     if (n & 1) prob[n] = P(0.f);  // pads an odd block to whole pairs
     st.l[h] = st.l[h] * alpha[h] + sum;
     st.m[h] = m_new;
@@ -599,6 +616,9 @@ struct RowScales {
   const float* data = nullptr;
   int64_t block_stride = 0;
   int64_t row_stride = 0;
+  bool same_as(const RowScales& other) const {
+    return data == other.data && block_stride == other.block_stride && row_stride == other.row_stride;
+  }
 };
 
 // Where one request's rows live: row j is at offset j % block_size of block table[j / block_size] in
@@ -629,8 +649,7 @@ inline void gather_scales(const RowScales& scales, int64_t block_size, const Ind
   });
 }
 
-// x[h * kKvBlock + i] *= row_scale[i] for H heads and n rows: a key scale on the scores, a value
-// scale on the probabilities that weigh the value rows.
+// x[h * kKvBlock + i] *= row_scale[i] for H heads and n rows: the key scales on the scores.
 inline void scale_rows(float* x, int H, int n, const float* row_scale) {
   using Vec = at::vec::Vectorized<float>;
   for (int h = 0; h < H; ++h)
@@ -1118,22 +1137,10 @@ inline void block_scores_amx(AmxTask<H, D1 + D2, L>& t, const RequestBlocks<C, I
               (pv_rows(n) - packed) / 2 * Task::kPairStride * sizeof(c10::BFloat16));
 }
 
-// p's columns past the block's n rows (softmax_step wrote them up to an even count) are zeros, and an
-// fp8 cache's value scales weigh them (l sums the unscaled ones, as on the vector path).
+// p's columns past the block's n rows (softmax_step wrote them up to an even count) are zeros.
 template <int H, int64_t D, int64_t L>
-inline void finish_probabilities_amx(AmxTask<H, D, L>& t, int n, const float* value_scale) {
-  using Vec = at::vec::Vectorized<float>;
-  for (int h = 0; h < H; ++h) {
-    c10::BFloat16* row = t.p + h * kKvBlock;
-    // (element by element, bf16 -> fp32 -> bf16 in scalar code, this cost 7% of a latent step over an
-    // e4m3 cache with per-token scales: 22 heads x 128 rows a block)
-    if (value_scale != nullptr)
-      for (int j = 0; j < n; j += Vec::size()) {
-        const int count = std::min<int>(Vec::size(), n - j);
-        store_floats(row + j, load_floats(row + j, count) * Vec::loadu(value_scale + j, count), count);
-      }
-    std::fill(row + n, row + kKvBlock, c10::BFloat16(0.f));
-  }
+inline void pad_probabilities_amx(AmxTask<H, D, L>& t, int n) {
+  for (int h = 0; h < H; ++h) std::fill(t.p + h * kKvBlock + n, t.p + (h + 1) * kKvBlock, c10::BFloat16(0.f));
 }
 
 // o = alpha * o + p . V (alpha = nullptr: o = p . V) over the block's n rows, in whole 32-row steps.
@@ -1464,23 +1471,23 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
     }
     // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
-    // and on the probabilities that weigh the value rows (l sums the unscaled ones).
-    if (request.key_scale.data != nullptr) {
-      gather_scales(request.key_scale, request.block_size, request.table, jb, n, row_scale);
+    // and on the probabilities that weigh the value rows (l sums the unscaled ones). A latent cache's
+    // rows are their keys and values both: one gather.
+    const RowScales& key_scale = request.key_scale;
+    const RowScales& value_scale = request.value_scale;
+    if (key_scale.data != nullptr) {
+      gather_scales(key_scale, request.block_size, request.table, jb, n, row_scale);
       scale_rows(s, H, n, row_scale);
     }
-
-    softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr, st, alpha, p);
-    const bool value_scales = request.value_scale.data != nullptr;
-    if (value_scales) gather_scales(request.value_scale, request.block_size, request.table, jb, n, row_scale);
-    if constexpr (kVector) {
-      if (value_scales) scale_rows(p, H, n, row_scale);
-    }
+    if (value_scale.data != nullptr && !value_scale.same_as(key_scale))
+      gather_scales(value_scale, request.block_size, request.table, jb, n, row_scale);
+    softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr,
+                        value_scale.data != nullptr ? row_scale : nullptr, st, alpha, p);
 
     // o = alpha * o + p . V (o = p . V on the first block).
     if constexpr (kAmx) {
 #if defined(MLA_INDUCTOR_AMX)
-      finish_probabilities_amx(*amx, n, value_scales ? row_scale : nullptr);
+      pad_probabilities_amx(*amx, n);
       block_pv_amx(*amx, n, first ? nullptr : alpha);
 #endif
     } else if constexpr (kBf16) {
