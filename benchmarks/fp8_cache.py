@@ -15,14 +15,17 @@ Each step is one compiled graph over all its layers, as a model's decode step is
 every layer paid torch.compile's per-call overhead, about 0.1 ms on the AMX Xeon, the same in every
 variant (the gqa step over e5m2 measured 1.39x that way, 1.44x as one graph; docs/mla_decode.md). Each
 step is compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's)
-and an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the GEMM
-throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products run
-as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles take it
-(16 or more heads per cached row on an AMX CPU). Each step is also timed over a few layers whose caches
-the last-level cache holds, read again: its cost with the memory out of the way. The bf16 step's time a
-layer from memory over that is the "ceiling": the most an fp8 cache can gain on this CPU unless its
-arithmetic gets cheaper, however well the kernel overlaps it with the read (for the bf16 row, what the
-bf16 step loses to the memory). Prints medians; asserts nothing.
+and an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the
+GEMM throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products
+run as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles
+take it (16 or more heads per cached row on an AMX CPU). The bf16 cache's roofline over an fp8 cache's
+is the most halving the bytes can gain here: 2 where both steps are bound by the read, less where the
+products' side is the larger (the latent step's 47.9 kFLOP a row against a CPU's GEMM over its copy
+bandwidth). Each step is also timed over a few layers whose caches the last-level cache holds, read
+again: its cost with the memory out of the way. The bf16 step's time a layer from memory over that is
+the "ceiling": the most an fp8 cache can gain on this CPU unless its arithmetic gets cheaper, however
+well the kernel overlaps it with the read (for the bf16 row, what the bf16 step loses to the memory).
+Prints medians; asserts nothing.
 
     python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096] [--w-vc]
 """
@@ -123,18 +126,22 @@ def bench(name, make_step, args):
     print(f"\n## {name}, {layers} layers, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM {isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
           f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s; fp8 caches' roof: {fp8_roof}; {benchmarking.machine_line()}")
-    print(f"(in cache: the step over {cached_layers} layers, its caches read again from the last-level cache; "
-          f"ceiling: the bf16 step's time a layer over that, the most the fp8 step's arithmetic allows)")
-    print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline | ms a layer in cache | ceiling |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"(x bf16 at the roofline: the bf16 cache's roofline over this one's, the most halving the bytes can "
+          f"gain on this CPU: below 2 where the products' side of the roofline is the larger; in cache: the step "
+          f"over {cached_layers} layers, its caches read again from the last-level cache; ceiling: the bf16 "
+          f"step's time a layer over that, the most the fp8 step's arithmetic allows)")
+    print("| cache | MiB read | ms | x bf16 cache | roofline ms | % of roofline | x bf16 at the roofline | "
+          "ms a layer in cache | ceiling |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rooflines = {label: max(bytes_read / bandwidth, flops / (roof["bf16"] if label == "bf16" else roof[fp8_roof]))
+                 for label, (_, bytes_read, flops, *_) in steps.items()}
     bf16_per_layer = t["bf16"] / layers
-    for label, (_, bytes_read, flops, *_) in steps.items():
-        compute = flops / (roof["bf16"] if label == "bf16" else roof[fp8_roof])
-        roofline = max(bytes_read / bandwidth, compute)
+    for label, (_, bytes_read, *_) in steps.items():
+        roofline = rooflines[label]
         cached = t[f"{label}, in cache"] / cached_layers
         print(f"| {label} | {bytes_read / 2**20:.0f} | {t[label] * 1e3:.2f} | {t['bf16'] / t[label]:.2f} | "
-              f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} | {cached * 1e3:.3f} | "
-              f"{bf16_per_layer / cached:.2f} |", flush=True)
+              f"{roofline * 1e3:.2f} | {roofline / t[label]:.0%} | {rooflines['bf16'] / roofline:.2f} | "
+              f"{cached * 1e3:.3f} | {bf16_per_layer / cached:.2f} |", flush=True)
     torch._dynamo.reset()
 
 
