@@ -39,6 +39,31 @@ def test_host_isa_follows_the_cpu_flags():
     assert isa.roof_gemm_dtype(torch.bfloat16) == (torch.bfloat16 if isa.native_bf16_gemm() else torch.float32)
 
 
+@pytest.fixture
+def host_isa_under(monkeypatch):
+    """host_isa() with ONEDNN_MAX_CPU_ISA set to a value (None: unset), its cache cleared around it."""
+    def level(onednn_hold):
+        if onednn_hold is None:
+            monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        else:
+            monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", onednn_hold)
+        isa.host_isa.cache_clear()
+        return isa.host_isa()
+
+    yield level
+    monkeypatch.undo()
+    isa.host_isa.cache_clear()
+
+
+def test_a_onednn_hold_plays_a_narrower_cpu_never_a_wider_one(host_isa_under):
+    own = host_isa_under(None)
+    narrower = lambda level: min(own, level, key=isa.LEVELS.index)  # noqa: E731
+    assert host_isa_under("AVX2") == host_isa_under("avx2_vnni") == narrower("avx2")
+    assert host_isa_under("AVX512_CORE_BF16") == narrower("avx512_bf16")
+    assert host_isa_under("AVX512_CORE_AMX") == own  # a hold at or above the CPU's level, or unknown to us
+    assert host_isa_under("SOME_FUTURE_ISA") == own
+
+
 def test_target_isa_follows_cpp_march():
     assert isa.target_isa() == isa.host_isa()
     weight = torch.arange(40 * 6, dtype=torch.bfloat16).view(40, 6)
