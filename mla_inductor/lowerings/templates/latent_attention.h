@@ -526,8 +526,8 @@ __attribute__((always_inline)) inline at::vec::Vectorized<float> store_rounded(a
 // the rounded values, so that numerator and denominator agree. With an fp8 cache's value scales
 // (value_scale: the n rows', else nullptr) the probabilities weigh the scaled rows: exp times the scale,
 // rounded once, and the sum is of the unscaled values (the scales belong to the rows, not to the
-// weights). (Scaled in a pass of their own after the rounding, they cost a latent step at 22 heads over
-// an e4m3 cache 7% on AMX tiles, docs/mla_decode.md.)
+// weights). (Multiplied in a pass of their own after a first rounding, the scales cost the latent step
+// at 22 heads on AMX tiles 7-12%; taken here, e4m3 with per-token scales ran 1.10x, docs/mla_decode.md.)
 template <typename P>
 inline float exp_and_round(const float* row, int n, float max, const float* value_scale, P* prob) {
   using Vec = at::vec::Vectorized<float>;
