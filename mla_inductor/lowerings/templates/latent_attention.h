@@ -547,12 +547,13 @@ inline float exp_and_round(const float* row, int n, float max, const float* valu
 }
 
 // One step of the online softmax over a block of n rows: s (scaled scores, [H, kKvBlock]) becomes the
-// probabilities p, and alpha[h] the factor that rescales the earlier o and l. bias (nullptr: none) adds
-// a mask's per-row bias to every head's scores, after the softcap; value_scale (nullptr: none) holds the
-// rows' value scales, which p takes (exp_and_round).
+// probabilities p, and alpha[h] the factor that rescales the earlier o and l. An fp8 cache's per-row
+// scales (nullptr: none): key_scale on the scores, before the softcap (which caps true scores),
+// value_scale on p (exp_and_round). bias (nullptr: none) adds a mask's per-row bias to every head's
+// scores, after the softcap.
 template <typename P>
-inline void softmax_step(float* s, int H, int n, float softcap, const float* bias, const float* value_scale,
-                         SoftmaxState& st, float* alpha, P* p) {
+inline void softmax_step(float* s, int H, int n, const float* key_scale, float softcap, const float* bias,
+                         const float* value_scale, SoftmaxState& st, float* alpha, P* p) {
   using Vec = at::vec::Vectorized<float>;
   constexpr int W = Vec::size();
   for (int h = 0; h < H; ++h) {
@@ -561,9 +562,10 @@ inline void softmax_step(float* s, int H, int n, float softcap, const float* bia
     for (int j = 0; j < n; j += W) {
       const int count = std::min(W, n - j);
       Vec x = Vec::loadu(row + j, count);
+      if (key_scale != nullptr) x = x * Vec::loadu(key_scale + j, count);
       if (softcap > 0.f) x = Vec(softcap) * (x / Vec(softcap)).tanh();
       if (bias != nullptr) x = x + Vec::loadu(bias + j, count);
-      if (softcap > 0.f || bias != nullptr) x.store(row + j, count);
+      if (key_scale != nullptr || softcap > 0.f || bias != nullptr) x.store(row + j, count);
       block_max = at::vec::maximum(block_max, Vec::set(Vec(-std::numeric_limits<float>::infinity()), x, count));
     }
     // (at::vec::maximum keeps NaN)
@@ -647,16 +649,6 @@ inline void gather_scales(const RowScales& scales, int64_t block_size, const Ind
     const float* scale = scales.data + id * scales.block_stride + offset * scales.row_stride;
     for (int r = 0; r < count; ++r, scale += scales.row_stride) out[i + r] = *scale;
   });
-}
-
-// x[h * kKvBlock + i] *= row_scale[i] for H heads and n rows: the key scales on the scores.
-inline void scale_rows(float* x, int H, int n, const float* row_scale) {
-  using Vec = at::vec::Vectorized<float>;
-  for (int h = 0; h < H; ++h)
-    for (int i = 0; i < n; i += Vec::size()) {
-      const int count = std::min<int>(Vec::size(), n - i);
-      (Vec::loadu(x + h * kKvBlock + i, count) * Vec::loadu(row_scale + i, count)).store(x + h * kKvBlock + i, count);
-    }
 }
 
 // A per-row mask shared by the heads: a bool admits row j where true, a number adds to its scores.
@@ -1409,7 +1401,8 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
   alignas(64) float s[H * kKvBlock];
   alignas(64) ProbT p_block[kAmx ? 1 : H * kKvBlock];
   ProbT* p = p_block;
-  alignas(64) float row_scale[kKvBlock];
+  alignas(64) float key_row_scale[kKvBlock];
+  alignas(64) float value_row_scale[kKvBlock];
   float alpha[H];
   RequestBlocks<C, IndexT, D2> b{{request.key, request.key_stride}, {request.rope, D2},
                                  {request.value, request.value_stride}, request.value != nullptr};
@@ -1470,19 +1463,17 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       values_checked = block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
       if (b.own_values && !kDirect) widen_values<L>(b.value, n, n_next, values);
     }
-    // An fp8 cache's scales, per row: on the scores (before the softcap, which caps true scores)
-    // and on the probabilities that weigh the value rows (l sums the unscaled ones). A latent cache's
-    // rows are their keys and values both: one gather.
+    // An fp8 cache's scales, per row. A latent cache's rows are their keys and values both: one gather.
     const RowScales& key_scale = request.key_scale;
     const RowScales& value_scale = request.value_scale;
-    if (key_scale.data != nullptr) {
-      gather_scales(key_scale, request.block_size, request.table, jb, n, row_scale);
-      scale_rows(s, H, n, row_scale);
-    }
-    if (value_scale.data != nullptr && !value_scale.same_as(key_scale))
-      gather_scales(value_scale, request.block_size, request.table, jb, n, row_scale);
-    softmax_step<ProbT>(s, H, n, softcap, mask != nullptr ? bias : nullptr,
-                        value_scale.data != nullptr ? row_scale : nullptr, st, alpha, p);
+    const bool shared_scales = value_scale.same_as(key_scale);
+    if (key_scale.data != nullptr) gather_scales(key_scale, request.block_size, request.table, jb, n, key_row_scale);
+    if (value_scale.data != nullptr && !shared_scales)
+      gather_scales(value_scale, request.block_size, request.table, jb, n, value_row_scale);
+    softmax_step<ProbT>(s, H, n, key_scale.data != nullptr ? key_row_scale : nullptr, softcap,
+                        mask != nullptr ? bias : nullptr,
+                        value_scale.data == nullptr ? nullptr : shared_scales ? key_row_scale : value_row_scale, st,
+                        alpha, p);
 
     // o = alpha * o + p . V (o = p . V on the first block).
     if constexpr (kAmx) {
