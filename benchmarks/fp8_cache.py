@@ -6,7 +6,7 @@ each over a stack of layers whose caches, in fp8, exceed twice this CPU's last-l
 default; at least 8 and 16 layers):
 - gqa: `mla::gqa_decode_attention` at the Llama-3-8B shape (32 query over 8 key/value heads of 128;
   16 MiB of bf16 K and V a layer at 4096 rows);
-- latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22),
+- latent: `mla::latent_decode_attention` at 22 heads (deepseek-v3-tp22; `--heads 16` is tp8),
   latent rows of 512 + 64, blocks of 16 (4.5 MiB of bf16 cache a layer), returning the latent output
   as SGLang's and vLLM's MLA decode kernels do. `--w-vc` adds the W_vc de-absorption: its 2.75 MiB a
   layer are read whatever the cache's format, so they count in the bytes read and cap what an fp8 cache
@@ -27,7 +27,7 @@ the "ceiling": the most an fp8 cache can gain on this CPU unless its arithmetic 
 well the kernel overlaps it with the read (for the bf16 row, what the bf16 step loses to the memory).
 Prints medians; asserts nothing.
 
-    python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096] [--w-vc]
+    python benchmarks/fp8_cache.py [--part gqa latent] [--context 4096] [--heads 22] [--w-vc]
 """
 
 import argparse
@@ -72,7 +72,7 @@ def gqa_step(args, dtype, in_cache=False):
 
 
 def latent_step(args, dtype, in_cache=False):
-    heads, lora, rope, v_head_dim, block_size = 22, 512, 64, 128, 16
+    heads, lora, rope, v_head_dim, block_size = args.heads, 512, 64, 128, 16
     fp8_layer_bytes = args.context * (lora + rope)
     layers = (layers_in_the_cache(fp8_layer_bytes) if in_cache else
               args.latent_layers or benchmarking.layers_past_the_cache(fp8_layer_bytes, 16, times=2))
@@ -151,6 +151,7 @@ def main():
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--gqa-layers", type=int, help="16 MiB of bf16 K and V each at 4096 rows (default: past the L3)")
     p.add_argument("--latent-layers", type=int, help="4.5 MiB of bf16 cache each at 4096 rows (default: past the L3)")
+    p.add_argument("--heads", type=int, default=22, help="the latent step's query heads (128 over a TP rank)")
     p.add_argument("--w-vc", action="store_true", help="the latent step de-absorbs its output with W_vc")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
@@ -158,7 +159,8 @@ def main():
     if "gqa" in args.part:
         bench("gqa: 32 query over 8 key/value heads of 128", gqa_step, args)
     if "latent" in args.part:
-        bench(f"latent: 22 heads, rows of 512 + 64, blocks of 16{', W_vc' if args.w_vc else ''}", latent_step, args)
+        w_vc = ", W_vc" if args.w_vc else ""
+        bench(f"latent: {args.heads} heads, rows of 512 + 64, blocks of 16{w_vc}", latent_step, args)
 
 
 if __name__ == "__main__":
