@@ -9,10 +9,10 @@
 // again, and lets an fp8 cache's halved bytes pay.
 //
 // MLA_INDUCTOR_AMX is defined where the C++ is compiled for such a CPU (-march=native on one, or
-// cpp.march = sapphirerapids); every such CPU also has AVX512-VBMI, which the fp8 conversion uses.
+// cpp.march = sapphirerapids); every such CPU also has AVX512-VBMI, which the fp8 conversion uses. The
+// conversion is built wherever VBMI is: AVX512-BF16 CPUs without AMX (Zen 4) convert an fp8 cache for
+// their dpbf16 tiles with it (latent_attention.h, converts_fp8_to_bf16).
 #pragma once
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-#define MLA_INDUCTOR_AMX 1
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <immintrin.h>
@@ -23,40 +23,8 @@
 #include <cstring>
 #include <type_traits>
 
+#if defined(__AVX512VBMI__)
 namespace mla_inductor {
-
-// Linux grants a process AMX's tile data state on request only (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA, Linux 5.16+); a tile instruction before that faults. Asked once per process.
-inline void require_amx_permission() {
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  TORCH_CHECK(granted, "mla_inductor: Linux refused this process the AMX tile state (arch_prctl "
-              "ARCH_REQ_XCOMP_PERM), which this kernel was compiled for; compile for a target without AMX "
-              "(torch._inductor.config.cpp.march, e.g. \"cooperlake\").");
-}
-
-// The palette-1 tile configuration: tile t holds rows[t] rows of colsb[t] bytes (at most 16 x 64).
-// Each kernel shapes its tiles to its operands (a GEMM's row count, a group of heads). A thread's
-// configuration is its own and other kernels (oneDNN's) change it: load it at the start of every task.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-7 of rows[t] rows of bytes[t] bytes.
-inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = bytes[t];
-    config.rows[t] = rows[t];
-  }
-  _tile_loadconfig(&config);
-}
 
 // Byte -> bf16 by table: the bf16 bits of 128 values, low and high bytes in two 128-byte tables that
 // two vpermi2b look up 64 values at a time (vpermi2b reads an index's low 7 bits).
@@ -130,6 +98,46 @@ __attribute__((always_inline)) inline void row_to_bf16(const C* src, int64_t n, 
     for (; i + 64 <= n; i += 64) fp8_to_bf16x64(src + i, dst + i, table);
     if (i < n) fp8_to_bf16x64(src + i, dst + i, table, static_cast<int>(n - i));
   }
+}
+
+}  // namespace mla_inductor
+#endif
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#define MLA_INDUCTOR_AMX 1
+namespace mla_inductor {
+
+// Linux grants a process AMX's tile data state on request only (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA, Linux 5.16+); a tile instruction before that faults. Asked once per process.
+inline void require_amx_permission() {
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  TORCH_CHECK(granted, "mla_inductor: Linux refused this process the AMX tile state (arch_prctl "
+              "ARCH_REQ_XCOMP_PERM), which this kernel was compiled for; compile for a target without AMX "
+              "(torch._inductor.config.cpp.march, e.g. \"cooperlake\").");
+}
+
+// The palette-1 tile configuration: tile t holds rows[t] rows of colsb[t] bytes (at most 16 x 64).
+// Each kernel shapes its tiles to its operands (a GEMM's row count, a group of heads). A thread's
+// configuration is its own and other kernels (oneDNN's) change it: load it at the start of every task.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-7 of rows[t] rows of bytes[t] bytes.
+inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.colsb[t] = bytes[t];
+    config.rows[t] = rows[t];
+  }
+  _tile_loadconfig(&config);
 }
 
 // dst[0, 64) = 32 bf16 columns of rows a and b interleaved in pairs, the layout of a B operand over

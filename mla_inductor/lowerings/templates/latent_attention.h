@@ -488,11 +488,27 @@ inline SoftmaxState start_task(float* state) {
 }
 
 // Whether the dpbf16 kernels serve this query type T, cache type C and latent width (P.V works in
-// 32-column chunks). An fp8 cache takes the portable kernels, which widen it in registers.
+// 32-column chunks). An fp8 cache takes the portable kernels, which widen it in registers, unless
+// converts_fp8_to_bf16.
 template <typename T, typename C>
 constexpr bool use_bf16_kernels(int64_t L) {
 #if defined(__AVX512BF16__)
   return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T> && L % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether an fp8 cache is converted to bf16 a block at a time for the dpbf16 kernels (convert_block):
+// with AVX512-BF16 and without AMX tiles (Zen 4), for more heads than one direct tile. Those heads'
+// portable kernels copy each row once too (widened to fp32) before their FMA tiles, and Zen 4's
+// vdpbf16ps does twice the multiply-adds of its fp32 FMA (docs/inductor_notes.md). The AMX Xeon's does
+// half, and there this route lost at 4-12 heads (docs/mla_decode.md), so its AMX build keeps the FMA
+// tiles below 16 heads. Unmeasured on Zen 4 so far.
+template <typename T, typename C, int H, int64_t L>
+constexpr bool converts_fp8_to_bf16() {
+#if defined(__AVX512BF16__) && !defined(MLA_INDUCTOR_AMX)
+  return std::is_same_v<T, c10::BFloat16> && is_fp8<C> && !widens_from_cache(H) && L % 32 == 0;
 #else
   return false;
 #endif
@@ -761,6 +777,55 @@ inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloa
         pv_tile_bf16<MH>(p + h0 * kKvBlock, kKvBlock, value_rows, (n + 1) / 2, c, tile_alpha, st.o + h0 * L, L);
     });
   }
+}
+
+// dst[0, n) = an fp8 row's values in bf16, times kWidenedScale<C> as the widening gives them: exact (an fp8
+// value has at most 4 significant bits), NaN kept. By the byte tables where there is VBMI (two vpermi2b
+// per 64 values, as the AMX path converts), else widened 32 at a time and rounded by vcvtne2ps2bf16.
+template <typename C>
+inline void fp8_row_to_bf16(const C* src, int64_t n, c10::BFloat16* dst) {
+#if defined(__AVX512VBMI__)
+  row_to_bf16(src, n, dst);
+#else
+  int64_t widened = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  widened = n - n % 32;
+  for (int64_t i = 0; i < widened; i += 32) {
+    __m512 lo, hi;
+    widen_fp8x32(src + i, lo, hi);
+    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+#endif
+  for (int64_t i = widened; i < n; ++i) dst[i] = c10::BFloat16(static_cast<float>(src[i]) * kWidenedScale<C>);
+#endif
+}
+
+// How many rows ahead of its own a block's conversion prefetches the cache (on into the next block).
+constexpr int kConvertAhead = 8;
+
+// The block's n fp8 rows in bf16 (converts_fp8_to_bf16) and the dpbf16 kernels' view of them: key row i
+// (its rope columns after its first D1) at keys + i * (D1 + D2), an own value row at values + i * L; past
+// the last row, rows kKvBlock of both, which hold zeros (an odd block's pad). The view has no next
+// block: the conversion is the pass that reads the cache, and prefetches it.
+template <int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
+inline void convert_block(const RequestBlocks<C, IndexT, D2>& b, int n, int n_next, c10::BFloat16* keys,
+                          c10::BFloat16* values, RequestBlocks<c10::BFloat16, IndexT, D2>& view) {
+  constexpr int64_t D = D1 + D2;
+  view.own_values = b.own_values;
+  for (int i = 0; i < n; ++i) {
+    prefetch_block_rows(b.key, i + kConvertAhead, 1, n, n_next, D1 * int64_t(sizeof(C)));
+    if constexpr (D2 > 0) prefetch_block_rows(b.rope, i + kConvertAhead, 1, n, n_next, D2 * int64_t(sizeof(C)));
+    if (b.own_values) prefetch_block_rows(b.value, i + kConvertAhead, 1, n, n_next, L * int64_t(sizeof(C)));
+    c10::BFloat16* key = keys + i * D;
+    fp8_row_to_bf16(b.key.rows[i], D1, key);
+    if constexpr (D2 > 0) fp8_row_to_bf16(b.rope.rows[i], D2, key + D1);
+    if (b.own_values) fp8_row_to_bf16(b.value.rows[i], L, values + i * L);
+    view.key.rows[i] = key;
+    view.rope.rows[i] = key + D1;
+    view.value.rows[i] = values + i * L;
+  }
+  view.key.rows[n] = keys + kKvBlock * D;
+  view.value.rows[n] = values + kKvBlock * L;
 }
 #endif
 
@@ -1393,7 +1458,8 @@ template <typename T, typename C, typename IndexT, int H, int64_t D1, int64_t D2
 inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& request, int64_t j0, int64_t j1,
                          float scale, float softcap, const MaskT* mask, const C* zero_row, SoftmaxState& st) {
   constexpr bool kAmx = use_amx_kernels<T, C, H, L>();
-  constexpr bool kBf16 = !kAmx && use_bf16_kernels<T, C>(L);
+  constexpr bool kConvert = !kAmx && converts_fp8_to_bf16<T, C, H, L>();
+  constexpr bool kBf16 = !kAmx && (use_bf16_kernels<T, C>(L) || kConvert);
   constexpr bool kVector = !kAmx && !kBf16;  // the portable fp32 kernels
   constexpr bool kDirect = kVector && widens_from_cache(H);
   using ProbT = std::conditional_t<kVector, float, c10::BFloat16>;
@@ -1427,6 +1493,19 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
       }
     }
   }
+  // kConvert: a block's rows in bf16, keys [kKvBlock + 1, D] then own values [kKvBlock + 1, L] (the last
+  // row of each zeros, for an odd block's pad), and the dpbf16 kernels' view of them (convert_block)
+  c10::BFloat16* converted_keys = nullptr;
+  c10::BFloat16* converted_values = nullptr;
+  [[maybe_unused]] std::conditional_t<kConvert, RequestBlocks<c10::BFloat16, IndexT, D2>, bool> converted;
+  if constexpr (kConvert) {
+    const int64_t key_values = (kKvBlock + 1) * D;
+    const int64_t values_values = b.own_values ? (kKvBlock + 1) * L : 0;
+    converted_keys = reinterpret_cast<c10::BFloat16*>(thread_scratch((key_values + values_values + 1) / 2));
+    converted_values = converted_keys + key_values;
+    std::fill_n(converted_keys + kKvBlock * D, D, c10::BFloat16(0.f));
+    if (b.own_values) std::fill_n(converted_values + kKvBlock * L, L, c10::BFloat16(0.f));
+  }
 #if defined(MLA_INDUCTOR_AMX)
   std::optional<AmxTask<H, D, L>> amx;
   if constexpr (kAmx) {
@@ -1455,6 +1534,11 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 #if defined(MLA_INDUCTOR_AMX)
       block_scores_amx<H, D1, D2, L>(*amx, b, n, n_next, scale / kWidenedScale<C>, zero_row, s);
 #endif
+    } else if constexpr (kConvert) {
+#if defined(__AVX512BF16__)
+      convert_block<D1, D2, L>(b, n, n_next, converted_keys, converted_values, converted);
+      block_scores_bf16<H, D1, D2, L>(q, ldq, converted, n, 0, scale / kWidenedScale<C>, s);
+#endif
     } else if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
       block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
@@ -1480,6 +1564,10 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 #if defined(MLA_INDUCTOR_AMX)
       pad_probabilities_amx(*amx, n);
       block_pv_amx(*amx, n, first ? nullptr : alpha);
+#endif
+    } else if constexpr (kConvert) {
+#if defined(__AVX512BF16__)
+      block_pv_bf16<H, L>(p, converted, n, first ? nullptr : alpha, st);
 #endif
     } else if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
@@ -1513,7 +1601,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 template <typename T, typename C, int H, int64_t L>
 inline void restore_column_order(const float* stored, float* latent) {
 #if defined(__AVX512BF16__)
-  if constexpr (use_bf16_kernels<T, C>(L) || use_amx_kernels<T, C, H, L>()) {
+  if constexpr (use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>() || use_amx_kernels<T, C, H, L>()) {
     for (int64_t i = 0; i < L; i += 4) {
       const int64_t column = (i & ~int64_t(31)) + paired_column(static_cast<int>(i & 31));
       std::memcpy(latent + column, stored + i, 4 * sizeof(float));
