@@ -105,7 +105,8 @@ FP8_BLOCK = [8, 32]
 class Projections(nn.Module):
     """q_b_absorb on weights that freezing makes constants (bf16 packed in the target's layout; W8A8's
     int8 and fp8 blocks, the integer and the fp8 tiles), and latent decode attention over a paged cache,
-    bf16 and fp8, with 16 heads (the AMX tiles on an AMX target, the fp8 widening elsewhere), and
+    bf16 and fp8, with 16 heads (the AMX tiles on an AMX target; the fp8 cache converted to bf16 for the
+    dpbf16 tiles on AVX512-BF16 without AMX, widened for the FMA tiles on AVX2), and
     grouped-query decode over a bf16 and an e4m3 cache (groups of 4 widen the rows from the cache: in
     pairs on AVX2 for bf16), in one graph: one compile covers the kernels."""
 
@@ -182,8 +183,9 @@ def test_templates_compiled_for_avx2_run_the_portable_kernels_here():
 @pytest.mark.skipif(isa.host_isa() != "amx",
                     reason="without AMX this is the CPU's own path (every template test runs it) or one it cannot run")
 def test_templates_compiled_for_avx512_bf16_without_amx_run_here():
-    """An AVX512-BF16 CPU without AMX (Zen 4) runs the dpbf16 decode tiles for a bf16 cache, the AVX-512
-    fp8 widening (the latent one included, which an AMX CPU's tiles take over) and its own weight tiles."""
+    """An AVX512-BF16 CPU without AMX (Zen 4) runs the dpbf16 decode tiles for a bf16 cache and for the
+    16-head latent fp8 cache converted to bf16 a block at a time (which an AMX CPU's tiles take over), the
+    AVX-512 fp8 widening for the grouped-query groups of 4, and its own weight tiles."""
     run_for_target(AVX512_BF16_WITHOUT_AMX_TARGET)
 
 
