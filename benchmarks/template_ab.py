@@ -13,7 +13,7 @@ two kernels. Inductor's FX-graph cache is off, and fp8_cache.py compiles each st
 compile. Prints medians; asserts nothing.
 
     python benchmarks/template_ab.py BEFORE [AFTER] [--part latent gqa] [--cache bf16 e4m3 e5m2]
-                                     [--layers N] [--rounds 9]
+                                     [--layers N] [--heads 22] [--rounds 9]
 
 BEFORE and AFTER are directories of templates (AFTER: this checkout's), e.g. an earlier commit's:
     git archive HEAD~1 mla_inductor/lowerings/templates | tar -x -C /tmp/before
@@ -57,13 +57,14 @@ def main():
     p.add_argument("--cache", nargs="+", default=["bf16", "e4m3"], choices=list(CACHES))
     p.add_argument("--layers", type=int, help="layers a step (default: fp8_cache.py's, past the L3)")
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=22, help="the latent step's query heads")
     p.add_argument("--rounds", type=int, default=9)
     args = p.parse_args()
     for side in (args.before, args.after):
         if not (side / "latent_attention.h").is_file():
             p.error(f"{side} holds no templates (latent_attention.h)")
     benchmarking.fresh_compiles()
-    step_args = types.SimpleNamespace(context=args.context, w_vc=False, latent_layers=args.layers,
+    step_args = types.SimpleNamespace(context=args.context, heads=args.heads, w_vc=False, latent_layers=args.layers,
                                       gqa_layers=args.layers)
     fns = {}
     for part in args.part:
