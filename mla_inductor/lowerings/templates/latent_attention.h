@@ -514,6 +514,12 @@ constexpr bool converts_fp8_to_bf16() {
 #endif
 }
 
+// Whether attend_split runs the dpbf16 kernels: over a bf16 cache, or over an fp8 one converted to bf16.
+template <typename T, typename C, int H, int64_t L>
+constexpr bool runs_bf16_kernels() {
+  return use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>();
+}
+
 // v rounded to P and stored at dst[0, count); returns the rounded values, widened back.
 template <typename P>
 __attribute__((always_inline)) inline at::vec::Vectorized<float> store_rounded(at::vec::Vectorized<float> v, P* dst,
@@ -781,22 +787,17 @@ inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloa
 
 // dst[0, n) = an fp8 row's values in bf16, times kWidenedScale<C> as the widening gives them: exact (an fp8
 // value has at most 4 significant bits), NaN kept. By the byte tables where there is VBMI (two vpermi2b
-// per 64 values, as the AMX path converts), else widened 32 at a time and rounded by vcvtne2ps2bf16.
+// per 64 values, as the AMX path converts), else widened (load_floats) and rounded back.
 template <typename C>
 inline void fp8_row_to_bf16(const C* src, int64_t n, c10::BFloat16* dst) {
 #if defined(__AVX512VBMI__)
   row_to_bf16(src, n, dst);
 #else
-  int64_t widened = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  widened = n - n % 32;
-  for (int64_t i = 0; i < widened; i += 32) {
-    __m512 lo, hi;
-    widen_fp8x32(src + i, lo, hi);
-    _mm512_storeu_si512(dst + i, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - i);
+    store_floats(dst + i, load_floats(src + i, count), count);
   }
-#endif
-  for (int64_t i = widened; i < n; ++i) dst[i] = c10::BFloat16(static_cast<float>(src[i]) * kWidenedScale<C>);
 #endif
 }
 
@@ -821,7 +822,7 @@ inline void convert_block(const RequestBlocks<C, IndexT, D2>& b, int n, int n_ne
     if constexpr (D2 > 0) fp8_row_to_bf16(b.rope.rows[i], D2, key + D1);
     if (b.own_values) fp8_row_to_bf16(b.value.rows[i], L, values + i * L);
     view.key.rows[i] = key;
-    view.rope.rows[i] = key + D1;
+    if constexpr (D2 > 0) view.rope.rows[i] = key + D1;
     view.value.rows[i] = values + i * L;
   }
   view.key.rows[n] = keys + kKvBlock * D;
@@ -1459,7 +1460,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
                          float scale, float softcap, const MaskT* mask, const C* zero_row, SoftmaxState& st) {
   constexpr bool kAmx = use_amx_kernels<T, C, H, L>();
   constexpr bool kConvert = !kAmx && converts_fp8_to_bf16<T, C, H, L>();
-  constexpr bool kBf16 = !kAmx && (use_bf16_kernels<T, C>(L) || kConvert);
+  constexpr bool kBf16 = !kAmx && runs_bf16_kernels<T, C, H, L>();
   constexpr bool kVector = !kAmx && !kBf16;  // the portable fp32 kernels
   constexpr bool kDirect = kVector && widens_from_cache(H);
   using ProbT = std::conditional_t<kVector, float, c10::BFloat16>;
@@ -1601,7 +1602,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 template <typename T, typename C, int H, int64_t L>
 inline void restore_column_order(const float* stored, float* latent) {
 #if defined(__AVX512BF16__)
-  if constexpr (use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>() || use_amx_kernels<T, C, H, L>()) {
+  if constexpr (runs_bf16_kernels<T, C, H, L>() || use_amx_kernels<T, C, H, L>()) {
     for (int64_t i = 0; i < L; i += 4) {
       const int64_t column = (i & ~int64_t(31)) + paired_column(static_cast<int>(i & 31));
       std::memcpy(latent + column, stored + i, 4 * sizeof(float));
