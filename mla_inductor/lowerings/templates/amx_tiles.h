@@ -130,6 +130,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// ldtilecfg with the whole configuration as its operand. GCC's _tile_loadconfig tells the compiler it
+// reads a pointer's worth of bytes (its asm operand is `*(const void**)config`), so the stores of the
+// shapes past byte 8 may be dropped or sunk below it: a register-loop benchmark built that way raised
+// SIGILL at its first product (benchmarks/instruction_rates.cpp).
+inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
+
 // Tiles 0-7 of rows[t] rows of bytes[t] bytes.
 inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]) {
   TileConfig config;
@@ -137,7 +143,7 @@ inline void configure_tiles(const uint8_t (&rows)[8], const uint16_t (&bytes)[8]
     config.colsb[t] = bytes[t];
     config.rows[t] = rows[t];
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // dst[0, 64) = 32 bf16 columns of rows a and b interleaved in pairs, the layout of a B operand over
