@@ -1,11 +1,13 @@
-"""The benchmark tools that build C++ of their own from the templates' headers still build and run
-against the current headers (benchmarks/attend_split.py)."""
+"""The benchmark tools that build C++ of their own still build and run: the attend_split harness against
+the current template headers, and the instruction-rate register loops."""
 
 import importlib.util
 import pathlib
+import tempfile
 
 import pytest
 
+from mla_inductor import isa
 from mla_inductor.lowerings.template import TEMPLATE_DIR
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
@@ -23,3 +25,16 @@ def test_attend_split_harness_builds_and_times_a_task(tmp_path, part, cache):
     attend_split = load("attend_split")
     binary = attend_split.build(tmp_path / "harness", TEMPLATE_DIR, part, cache, march="native")
     assert attend_split.run(binary, rows=512, caches=2, threads=2, calls=2) > 0
+
+
+def test_instruction_rates_time_every_probe_the_target_has():
+    instruction_rates = load("instruction_rates")
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = instruction_rates.run(instruction_rates.build(pathlib.Path(tmp) / "rates", "native"), rounds=1)
+    names = [name for name, *_ in rows]
+    assert "fma ymm (fp32)" in names
+    if isa.at_least("avx512_bf16", isa.host_isa()):
+        assert "vdpbf16ps zmm" in names
+    if isa.host_isa() == "amx":
+        assert "score step: 3 loads, 2 tdpbf16ps" in names
+    assert all(median > 0 and least > 0 for _, median, least, _ in rows)
