@@ -3,7 +3,6 @@ the current template headers, and the instruction-rate register loops."""
 
 import importlib.util
 import pathlib
-import tempfile
 
 import pytest
 
@@ -27,10 +26,9 @@ def test_attend_split_harness_builds_and_times_a_task(tmp_path, part, cache):
     assert attend_split.run(binary, rows=512, caches=2, threads=2, calls=2) > 0
 
 
-def test_instruction_rates_time_every_probe_the_target_has():
+def test_instruction_rates_time_every_probe_the_target_has(tmp_path):
     instruction_rates = load("instruction_rates")
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = instruction_rates.run(instruction_rates.build(pathlib.Path(tmp) / "rates", "native"), rounds=1)
+    rows = instruction_rates.run(instruction_rates.build(tmp_path / "rates", "native"), rounds=1)
     names = [name for name, *_ in rows]
     assert "fma ymm (fp32)" in names
     if isa.at_least("avx512_bf16", isa.host_isa()):

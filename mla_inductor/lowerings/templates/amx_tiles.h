@@ -133,7 +133,7 @@ struct alignas(64) TileConfig {
 // ldtilecfg with the whole configuration as its operand. GCC's _tile_loadconfig tells the compiler it
 // reads a pointer's worth of bytes (its asm operand is `*(const void**)config`), so the stores of the
 // shapes past byte 8 may be dropped or sunk below it: a register-loop benchmark built that way raised
-// SIGILL at its first product (benchmarks/instruction_rates.cpp).
+// SIGILL at the first product after its fourth configuration (benchmarks/instruction_rates.cpp).
 inline void load_tile_config(const TileConfig& config) { asm volatile("ldtilecfg %0" : : "m"(config)); }
 
 // Tiles 0-7 of rows[t] rows of bytes[t] bytes.
