@@ -5,10 +5,11 @@
   the dpbf16 tiles (latent_attention.h, converts_fp8_to_bf16) because Zen 4 runs a dpbf16 at the rate
   of an FMA, with twice its multiply-adds; on the AMX Xeon one takes four FMAs' time. "multiply-adds a
   ns" compares them.
-- AMX: `tdpbf16ps` for the tile shapes the latent kernel configures (rows x columns of the accumulator:
-  a product's time shrinks far less than its rows, and not at all with its columns), tile loads from
-  L1, and the latent score step (an A and two B tiles loaded per two products), which takes the
-  products' time where the loads overlap them.
+- AMX: `tdpbf16ps` for the tile shapes the latent kernel configures (rows x columns of the accumulator;
+  over values like a cache's, a product takes the same time whatever its shape on the AMX Xeon), tile
+  loads from L1, and the latent score step (an A and two B tiles loaded per two products), which takes
+  the products' time where the loads overlap them. The AMX Xeon's slow mode shows here: the products
+  take twice as long, the FMAs do not.
 
 Every probe runs once a round, in turn; the table holds medians (and minima) over the rounds. Machines
 that change speed under a run (the AMX Xeon's two modes) show it as a gap between the two. Asserts
