@@ -68,6 +68,8 @@ __m512 dpbf16_zmm(__m512 a) {
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PROBES_AMX 1
+
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -75,9 +77,9 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// Tiles 0-3 accumulators (rows x 4 * n bytes), 4 and 7 A operands (rows x 64), 5 and 6 B operands
-// (16 x 4 * n): the shapes a decode kernel configures for `rows` cache rows (or heads) and n heads (or
-// columns).
+// Tiles 0-3 accumulators (rows x 4 * n bytes, zeroed), 4 and 7 A operands (rows x 64), 5 and 6 B
+// operands (16 x 4 * n), which each probe loads: the shapes a decode kernel configures for `rows` cache
+// rows (or heads) and n heads (or columns).
 void configure(int rows, int n) {
   TileConfig c;
   for (int t = 0; t < 8; ++t) c.rows[t] = rows, c.colsb[t] = 64;
@@ -88,10 +90,6 @@ void configure(int rows, int n) {
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  _tile_zero(4);
-  _tile_zero(5);
-  _tile_zero(6);
-  _tile_zero(7);
 }
 
 // 8 tiles of 16 x 64 bytes, L1-resident: bf16 values in [-0.5, 0.5), as a cache's. (A product of zero
@@ -137,7 +135,8 @@ std::vector<Probe> probes() {
 #if defined(__AVX512BF16__)
   p.push_back({"vdpbf16ps zmm", 32, 12 * kIterations, TWELVE_CHAINS(__m512, _mm512_setzero_ps(), dpbf16_zmm), {}});
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(PROBES_AMX)
+  fill_operands();
   for (int rows : {16, 11, 4})
     p.push_back({"tdpbf16ps " + std::to_string(rows) + " x 16", 32.0 * rows * 16, kIterations,
                  [rows] { tile_products(rows, 16); }, {}});
@@ -171,20 +170,17 @@ std::vector<Probe> probes() {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 31;
-#if defined(__AMX_TILE__)
+#if defined(PROBES_AMX)
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
   if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
     std::fprintf(stderr, "the kernel refused AMX tile data\n");
     return 1;
   }
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  fill_operands();
-#endif
   std::vector<Probe> all = probes();
   for (int r = 0; r < rounds; ++r)
     for (Probe& p : all) p.ns.push_back(ns_per_instruction(p));
-#if defined(__AMX_TILE__)
+#if defined(PROBES_AMX)
   _tile_release();
 #endif
   for (Probe& p : all) {
