@@ -73,6 +73,9 @@ def test_target_isa_follows_cpp_march():
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         assert isa.target_isa() == "amx" and can_pack(torch.bfloat16)
         assert pack_blocks(weight).shape == (2, 3 * 2 * 32)  # 32-column VNNI blocks of k pairs
+    with torch._inductor.config.patch({"cpp.march": "cascadelake"}):
+        # AVX-512 without BF16: the packed kernel would be AVX2's, slower than the 16-lane NT tiles
+        assert isa.target_isa() == "avx512f" and not can_pack(torch.bfloat16)
     with torch._inductor.config.patch({"cpp.march": "some-future-cpu"}):
         assert isa.target_isa() == "default" and not can_pack(torch.bfloat16)  # unknown: the portable kernels
 

@@ -131,9 +131,12 @@ def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
 
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the C++ is compiled for
-    a target with AVX2 at least (isa.target_isa: this CPU under Inductor's default -march=native); the
-    layout follows the target (pack_blocks)."""
-    return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
+    AVX2 or for AVX512-BF16 (isa.target_isa: this CPU under Inductor's default -march=native); the
+    layout follows the target (pack_blocks). Not for AVX-512 without BF16 (Skylake / Cascade Lake
+    Xeons): the packed kernel there is AVX2's, eight lanes wide, and the NT tiles over the weights as they
+    are, sixteen lanes wide, were faster (qkv_a_proj on a Cascade Lake: 8.91 against 11.34 ms at one
+    row, 19.35 against 32.36 at eight; docs/isa.md)."""
+    return dtype == torch.bfloat16 and isa.target_isa() != "avx512f" and isa.at_least("avx2", isa.target_isa())
 
 
 def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_amx_tiles: bool = False) -> bool:
