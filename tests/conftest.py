@@ -5,8 +5,30 @@ import os
 # module's time). Set before torch is imported, so that the subprocesses some tests start inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+
+def _link_with_gold():
+    """Kernels link with gold where it is installed. A cold run builds about 560 kernels, each linked
+    against libtorch, libtorch_cpu and libtorch_python: GNU ld (bfd) takes 0.45-0.5 s to read those, gold
+    0.13-0.16 s, which is a fifth of a small kernel's build (docs/testing.md). gcc's collect2 looks for
+    `ld` in COMPILER_PATH before its own; the subprocesses some tests start inherit it. Tests only: what
+    a kernel does does not depend on its linker, and a user's machine may not have gold."""
+    gold = shutil.which("ld.gold")
+    if gold is None or "COMPILER_PATH" in os.environ:
+        return
+    linker_dir = tempfile.mkdtemp(prefix="mla-inductor-ld-")
+    atexit.register(shutil.rmtree, linker_dir, ignore_errors=True)
+    os.symlink(gold, os.path.join(linker_dir, "ld"))
+    os.environ["COMPILER_PATH"] = linker_dir
+
+
+_link_with_gold()
 
 # Tests compare numerics, not speed: keep compiles deterministic and the thread count fixed. Under
 # pytest-xdist (make test) the workers share the cores; one thread each keeps OpenMP from spinning on a

@@ -315,10 +315,11 @@ AMX_CASES = [
 ]
 
 
+@pytest.mark.skipif(isa.host_isa() != "amx", reason="elsewhere these run the FMA and integer tiles, which "
+                    "test_quantized_templates_in_one_compile covers (this compile costs half a minute cold)")
 def test_quantized_templates_at_shapes_the_amx_tiles_serve():
-    """On an AMX CPU these run on the tiles (elsewhere on the FMA and integer tiles, which the test above
-    covers too): one compile with dynamic rows, 8, 1 (decode) and 17 (a whole block of 16 x rows and one
-    more)."""
+    """The AMX tiles: one compile with dynamic rows, 8, 1 (decode) and 17 (a whole block of 16 x rows and
+    one more). (test_isa builds them on CPUs without AMX.)"""
     code = compiled_cases_match_the_reference(AMX_CASES, (8, 1, 17), hidden=192, nq=40, lora=16, rope=8)
     assert code.count("gemm.run(") == 2 * len(AMX_CASES) and "torch.ops.mla" not in code
 
