@@ -1,14 +1,13 @@
 // Register loops that time the instructions the decode kernels' choices rest on, in ns each: which
 // product a CPU should run (fp32 FMAs, AVX512-BF16 dot products, AMX tiles), and what an AMX tile product
 // costs against its shape and its operands' loads. Built and run by benchmarks/instruction_rates.py
-// (gcc -O2 for --march); probes the target lacks are not built. Prints one line a probe:
+// (gcc -O2 for --march, with the templates' widen.h and amx_tiles.h, whose tile configuration and AMX
+// permission the AMX probes use); probes the target lacks are not built. Prints one line a probe:
 //   name  median ns an instruction (or a step)  min  multiply-adds an instruction (or a step)
 // Every probe runs once a round, in turn, for `rounds` rounds (argv[1]): a machine whose speed drifts
 // shifts all of them alike. The loops keep their accumulators in registers (an empty asm ties each one to
 // a register every iteration: without it GCC may keep them on the stack, and the loop times the stores).
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -67,25 +66,14 @@ __m512 dpbf16_zmm(__m512 a) {
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define PROBES_AMX 1
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
+#if defined(MLA_INDUCTOR_AMX)  // amx_tiles.h, included by instruction_rates.py
 // Tiles 0-3 accumulators (rows x 4 * n bytes, zeroed), 4 and 7 A operands (rows x 64), 5 and 6 B
 // operands (16 x 4 * n), which each probe loads: the shapes a decode kernel configures for `rows` cache
-// rows (or heads) and n heads (or columns).
+// rows (or heads) and n heads (or columns). Through the kernels' own configure_tiles.
 void configure(int rows, int n) {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.rows[t] = rows, c.colsb[t] = 64;
-  for (int t : {0, 1, 2, 3}) c.colsb[t] = 4 * n;
-  for (int t : {5, 6}) c.rows[t] = 16, c.colsb[t] = 4 * n;
-  asm volatile("ldtilecfg %0" : : "m"(c));  // (_tile_loadconfig's operand covers only 8 of the 64 bytes)
+  const uint8_t r = static_cast<uint8_t>(rows);
+  const uint16_t acc = static_cast<uint16_t>(4 * n);
+  mla_inductor::configure_tiles({r, r, r, r, r, 16, 16, r}, {acc, acc, acc, acc, 64, acc, acc, 64});
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -135,7 +123,7 @@ std::vector<Probe> probes() {
 #if defined(__AVX512BF16__)
   p.push_back({"vdpbf16ps zmm", 32, 12 * kIterations, TWELVE_CHAINS(__m512, _mm512_setzero_ps(), dpbf16_zmm), {}});
 #endif
-#if defined(PROBES_AMX)
+#if defined(MLA_INDUCTOR_AMX)
   fill_operands();
   for (int rows : {16, 11, 4})
     p.push_back({"tdpbf16ps " + std::to_string(rows) + " x 16", 32.0 * rows * 16, kIterations,
@@ -170,17 +158,13 @@ std::vector<Probe> probes() {
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 31;
-#if defined(PROBES_AMX)
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
-    std::fprintf(stderr, "the kernel refused AMX tile data\n");
-    return 1;
-  }
+#if defined(MLA_INDUCTOR_AMX)
+  mla_inductor::require_amx_permission();
 #endif
   std::vector<Probe> all = probes();
   for (int r = 0; r < rounds; ++r)
     for (Probe& p : all) p.ns.push_back(ns_per_instruction(p));
-#if defined(PROBES_AMX)
+#if defined(MLA_INDUCTOR_AMX)
   _tile_release();
 #endif
   for (Probe& p : all) {

@@ -136,7 +136,8 @@ def can_pack(dtype: torch.dtype) -> bool:
     Xeons): the packed kernel there is AVX2's, eight lanes wide, and the NT tiles over the weights as they
     are, sixteen lanes wide, were faster (qkv_a_proj on a Cascade Lake: 8.91 against 11.34 ms at one
     row, 19.35 against 32.36 at eight; docs/isa.md)."""
-    return dtype == torch.bfloat16 and isa.target_isa() != "avx512f" and isa.at_least("avx2", isa.target_isa())
+    target = isa.target_isa()  # the two layouts of pack_blocks
+    return dtype == torch.bfloat16 and (target == "avx2" or isa.at_least("avx512_bf16", target))
 
 
 def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_amx_tiles: bool = False) -> bool:
