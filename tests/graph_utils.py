@@ -11,14 +11,23 @@ import mla_inductor
 from mla_inductor.passes import MLAPass
 
 
-class Capture(CustomGraphPass):
-    """Records the graph it sees, as compact text: one call per line, placeholders by position."""
+class GraphCaptured(Exception):
+    """Raised by a Capture that ends the compile: a test that reads only the rewritten graph needs no
+    lowering, scheduling or C++ build (8 kernel builds for a tiny transformers model)."""
 
-    def __init__(self):
+
+class Capture(CustomGraphPass):
+    """Records the graph it sees, as compact text: one call per line, placeholders by position; then
+    ends the compile if `stop`."""
+
+    def __init__(self, stop=False):
         self.graphs = []
+        self.stop = stop
 
     def __call__(self, graph):
         self.graphs.append(format_graph(graph))
+        if self.stop:
+            raise GraphCaptured
 
     def uuid(self):
         return None  # never cached: tests must see the pass run
@@ -46,21 +55,31 @@ def _fmt(arg):
     return str(arg)
 
 
-def rewritten_and_run(fn, *args, stage="joint", freezing=False, dynamic=False, **own_options):
-    """Compile fn with MLAPass in `stage` followed by a capture and run it once: (the captured graph
-    text, the compiled fn's result). One compile serves a test that checks both."""
-    capture = Capture()
+def _compile_with_capture(fn, args, capture, stage, freezing, dynamic, own_options):
     slot = "joint_custom_post_pass" if stage == "joint" else "post_grad_custom_post_pass"
     options = {slot: [MLAPass(stage, mla_inductor.config.Config.from_options(own_options)), capture]}
     torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(freezing=freezing, fx_graph_cache=False):
-        result = torch.compile(fn, options=options, dynamic=dynamic)(*args)
+        return torch.compile(fn, options=options, dynamic=dynamic)(*args)
+
+
+def rewritten_and_run(fn, *args, stage="joint", freezing=False, dynamic=False, **own_options):
+    """Compile fn with MLAPass in `stage` followed by a capture and run it once: (the captured graph
+    text, the compiled fn's result). One compile serves a test that checks both."""
+    capture = Capture()
+    result = _compile_with_capture(fn, args, capture, stage, freezing, dynamic, own_options)
     return capture.graphs[0], result
 
 
-def rewritten(fn, *args, **kwargs):
-    """The graph text of `rewritten_and_run`."""
-    return rewritten_and_run(fn, *args, **kwargs)[0]
+def rewritten(fn, *args, stage="joint", freezing=False, dynamic=False, **own_options):
+    """The graph text of `rewritten_and_run`, from a compile that ends there: nothing is lowered or built."""
+    capture = Capture(stop=True)
+    try:
+        _compile_with_capture(fn, args, capture, stage, freezing, dynamic, own_options)
+    except torch._dynamo.exc.BackendCompilerFailed as failed:
+        if not isinstance(failed.inner_exception, GraphCaptured):
+            raise
+    return capture.graphs[0]
 
 
 def serving_model_decode(num_layers, seq_lens, dynamic=False, freezing=False):
