@@ -24,8 +24,6 @@ import statistics
 import subprocess
 import tempfile
 
-import torch
-import torch.utils.cpp_extension
 from torch._inductor import config as inductor_config
 
 from mla_inductor import benchmarking, isa
@@ -45,18 +43,13 @@ def row_bytes(part: str, cache: str) -> int:
 
 def build(out: pathlib.Path, templates: pathlib.Path, part: str, cache: str, march: str) -> pathlib.Path:
     heads, key, value, own_values = PARTS[part]
-    header = out.with_suffix(".h")
-    header.write_text("\n".join((templates / name).read_text() for name in ATTENTION_HEADERS))
     with inductor_config.patch({"cpp.march": march}):
         capability = "AVX512" if isa.at_least("avx512f", isa.target_isa()) else "AVX2"
-    lib = pathlib.Path(torch.__file__).parent / "lib"
-    command = ["g++", "-O3", f"-march={march}", "-std=c++20", "-fopenmp", f"-DCPU_CAPABILITY_{capability}",
-               *(f"-I{p}" for p in torch.utils.cpp_extension.include_paths()), "-include", str(header),
-               "-DQUERY_T=c10::BFloat16", f"-DCACHE_T={CACHES[cache][0]}", f"-DHEADS={heads}",
-               f"-DKEY_DIM={key}", f"-DVALUE_DIM={value}", f"-DOWN_VALUES={int(own_values)}",
-               str(HERE / "attend_split.cpp"), "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-    subprocess.run(command, check=True)
-    return out
+    flags = ["-O3", f"-march={march}", "-fopenmp", f"-DCPU_CAPABILITY_{capability}", "-DQUERY_T=c10::BFloat16",
+             f"-DCACHE_T={CACHES[cache][0]}", f"-DHEADS={heads}", f"-DKEY_DIM={key}", f"-DVALUE_DIM={value}",
+             f"-DOWN_VALUES={int(own_values)}"]
+    return benchmarking.build_harness(HERE / "attend_split.cpp", out, ATTENTION_HEADERS, flags,
+                                      libs=("c10", "torch_cpu"), templates=templates)
 
 
 def run(binary: pathlib.Path, rows: int, caches: int, threads: int, calls: int) -> float:

@@ -23,24 +23,15 @@ import pathlib
 import subprocess
 import tempfile
 
-import torch
-import torch.utils.cpp_extension
-
 from mla_inductor import benchmarking
-from mla_inductor.lowerings.template import TEMPLATE_DIR
 
 HERE = pathlib.Path(__file__).resolve().parent
 
 
 def build(out: pathlib.Path, march: str) -> pathlib.Path:
-    header = out.with_suffix(".h")  # the AMX probes configure tiles as the kernels do
-    header.write_text("\n".join((TEMPLATE_DIR / name).read_text() for name in ("widen.h", "amx_tiles.h")))
-    lib = pathlib.Path(torch.__file__).parent / "lib"
-    subprocess.run(["g++", "-O2", f"-march={march}", "-std=c++20",
-                    *(f"-I{p}" for p in torch.utils.cpp_extension.include_paths()), "-include", str(header),
-                    str(HERE / "instruction_rates.cpp"), "-o", str(out), f"-L{lib}", "-lc10",
-                    f"-Wl,-rpath,{lib}"], check=True)
-    return out
+    # widen.h and amx_tiles.h: the AMX probes configure tiles and ask for them as the kernels do
+    return benchmarking.build_harness(HERE / "instruction_rates.cpp", out, ("widen.h", "amx_tiles.h"),
+                                      ["-O2", f"-march={march}"])
 
 
 def run(binary: pathlib.Path, rounds: int) -> list[tuple[str, float, float, float]]:

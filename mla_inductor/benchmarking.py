@@ -41,6 +41,26 @@ def last_level_cache_bytes() -> int:
     return max(sizes, default=32 << 20)
 
 
+def build_harness(source: pathlib.Path, out: pathlib.Path, headers: Sequence[str], flags: Sequence[str],
+                  libs: Sequence[str] = ("c10",), templates: Optional[pathlib.Path] = None) -> pathlib.Path:
+    """Build a benchmark's own C++ `source` into the executable `out` with g++ `flags`, the template
+    headers `headers` (from `templates`, by default the package's) pasted in front as the kernels have
+    them, torch's include paths and `libs` from torch's lib directory."""
+    import subprocess
+
+    import torch.utils.cpp_extension
+
+    from .lowerings.template import TEMPLATE_DIR
+
+    header = out.with_suffix(".h")
+    header.write_text("\n".join(((templates or TEMPLATE_DIR) / name).read_text() for name in headers))
+    lib = pathlib.Path(torch.__file__).parent / "lib"
+    subprocess.run(["g++", "-std=c++20", *flags, *(f"-I{p}" for p in torch.utils.cpp_extension.include_paths()),
+                    "-include", str(header), str(source), "-o", str(out), f"-L{lib}", *(f"-l{name}" for name in libs),
+                    f"-Wl,-rpath,{lib}"], check=True)
+    return out
+
+
 def fresh_compiles() -> None:
     """Every variant x shape of a benchmark is its own compile of the same code object: keep Dynamo from
     falling back to eager past its recompile limit, and keep Inductor's caches from serving an earlier
