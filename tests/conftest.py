@@ -36,7 +36,8 @@ _link_with_gold()
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 # Hermetic compiles: a cache hit from an earlier run would replay code without running MLAPass,
-# and tests that count fusions would see none. test_backend checks the cache in its own process.
+# and tests that count fusions would see none. test_record turns them on over a fresh cache directory
+# to check what they serve.
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 

@@ -2,11 +2,13 @@
 Inductor compiled the graph or served it from its caches."""
 
 import ast
-import json
-import os
 import pathlib
-import subprocess
-import sys
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from torch._inductor.codecache import PyCodeCache
+from torch._inductor.utils import clear_caches, fresh_cache
 
 import mla_inductor
 
@@ -81,44 +83,38 @@ def test_the_layers_read_one_way():
             assert not edges & upper, f"{name} imports {edges & upper}"
 
 
-# One decoder layer of transformers' Llama: fires rope, gqa_qkv (the joint-graph stage, counted when the
-# post-grad stage of the same compile starts) in a compile small enough to run twice. The second compile
-# follows a reset of Dynamo, of the counts and of Inductor's in-memory caches, as in a new process: only
-# Inductor's on-disk caches are left to serve it.
-_COMPILE_TWICE_AND_COUNT = """
-import json, pathlib, torch, transformers
-from torch._dynamo.utils import counters
-from torch._inductor.codecache import PyCodeCache
-from torch._inductor.utils import clear_caches
-import mla_inductor
-
-config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
-torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(config).eval()
-for _ in range(2):
+def compile_and_count(model) -> dict:
+    """Compiles one decode of `model` after a reset of Dynamo, of the counts and of Inductor's in-memory
+    caches (the compiled modules and kernels among them), as in a new process: only Inductor's on-disk
+    caches are left to serve it. Returns the fusion counts, the cache hits and whether the compiled
+    modules hold our GEMM kernel."""
     torch._dynamo.reset()
-    clear_caches()  # Inductor's in-memory caches: the compiled modules and kernels among them
+    clear_caches()
     counters.clear()
     mla_inductor.reset_counts()
     with torch.no_grad():
         torch.compile(model, backend="mla_inductor")(torch.arange(4)[None])  # few rows: gqa_qkv fires on every CPU
     sources = [pathlib.Path(m.__file__).read_text() for m in PyCodeCache.modules]
-    print(json.dumps({"fusions": mla_inductor.fusion_counts(),
-                      "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
-                      "kernel": any("mi::nt_task" in s for s in sources)}))
-"""
+    return {"fusions": mla_inductor.fusion_counts(),
+            "cache_hits": counters["inductor"]["fxgraph_cache_hit"] + counters["aot_autograd"]["autograd_cache_hit"],
+            "kernel": any("mi::nt_task" in s for s in sources)}
 
 
-def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_cache(tmp_path):
+def test_fusion_counts_are_the_same_when_inductor_serves_the_compile_from_its_cache():
     """A compile served by the FX-graph cache: the pass does not run again, the cached module carries its
-    rewrite (our GEMM kernel), and the counts are replayed with it. One process (a second one would pay
-    the imports and the patterns' registration again); nothing of the first compile is left in memory."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path), TORCHINDUCTOR_FORCE_DISABLE_CACHES="0")
-    done = subprocess.run([sys.executable, "-c", _COMPILE_TWICE_AND_COUNT], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    compiled, served = (json.loads(line) for line in done.stdout.strip().splitlines()[-2:])
+    rewrite (our GEMM kernel), and the counts are replayed with it. One decoder layer of transformers'
+    Llama (fires rope and gqa_qkv), compiled twice over a fresh cache directory with the caches that
+    conftest turns off turned on; nothing of the first compile but the on-disk caches is left for the
+    second. (In this process: a new one would pay the imports and the patterns' registration again.)"""
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with (fresh_cache(), torch._inductor.config.patch(fx_graph_cache=True, force_disable_caches=False),
+          torch._functorch.config.patch(enable_autograd_cache=True)):
+        compiled = compile_and_count(model)
+        served = compile_and_count(model)
     assert compiled["cache_hits"] == 0 and served["cache_hits"] > 0, (compiled, served)
     assert compiled["fusions"]["rope"] > 0 and compiled["fusions"]["gqa_qkv"] > 0, compiled
     assert served["fusions"] == compiled["fusions"]
