@@ -71,3 +71,18 @@ def _fp8_weight_routes_as_on_every_cpu(monkeypatch):
     from mla_inductor import isa
 
     monkeypatch.setattr(isa, "slow_subnormal_inputs", lambda: False)
+
+
+def pytest_sessionstart(session):
+    """Stops before any test where `torch._int_mm` multiplies wrongly: oneDNN held to plain AVX2 on an
+    AVX-512 CPU does (docs/testing.md), and the W8A8 tests would fail by the dozen for oneDNN's reason,
+    not ours. The process that schedules (or, without xdist, runs) the tests checks once."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=generator)
+    b = torch.randint(-127, 128, (64, 48), dtype=torch.int8, generator=generator)
+    if not torch.equal(torch._int_mm(a, b), a.int() @ b.int()):
+        pytest.exit(f"torch._int_mm returns wrong products here (ONEDNN_MAX_CPU_ISA="
+                    f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}): to play an AVX2 CPU, hold oneDNN at AVX2_VNNI where "
+                    f"the CPU has AVX-VNNI, else at AVX512_CORE_VNNI (docs/testing.md)", returncode=4)
