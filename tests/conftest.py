@@ -83,6 +83,7 @@ def pytest_sessionstart(session):
     a = torch.randint(-127, 128, (8, 64), dtype=torch.int8, generator=generator)
     b = torch.randint(-127, 128, (64, 48), dtype=torch.int8, generator=generator)
     if not torch.equal(torch._int_mm(a, b), a.int() @ b.int()):
-        pytest.exit(f"torch._int_mm returns wrong products here (ONEDNN_MAX_CPU_ISA="
-                    f"{os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}): to play an AVX2 CPU, hold oneDNN at AVX2_VNNI where "
-                    f"the CPU has AVX-VNNI, else at AVX512_CORE_VNNI (docs/testing.md)", returncode=4)
+        held = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+        pytest.exit(f"torch._int_mm returns wrong products here (ONEDNN_MAX_CPU_ISA={held}): to play an AVX2 "
+                    "CPU, hold oneDNN at AVX2_VNNI where the CPU has AVX-VNNI, else at AVX512_CORE_VNNI "
+                    "(docs/testing.md)", returncode=4)
