@@ -13,6 +13,7 @@ import functools
 import math
 import pathlib
 import statistics
+import subprocess
 import time
 import types
 from typing import Callable, Mapping, Optional, Sequence
@@ -46,8 +47,8 @@ def build_harness(source: pathlib.Path, out: pathlib.Path, headers: Sequence[str
     """Build a benchmark's own C++ `source` into the executable `out` with g++ `flags`, the template
     headers `headers` (from `templates`, by default the package's) pasted in front as the kernels have
     them, torch's include paths and `libs` from torch's lib directory."""
-    import subprocess
-
+    # here, not at the top: the report imports this module and needs neither cpp_extension nor
+    # Inductor's lowerings, which lowerings.template loads
     import torch.utils.cpp_extension
 
     from .lowerings.template import TEMPLATE_DIR
