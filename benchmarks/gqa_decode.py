@@ -2,8 +2,9 @@
 heads of 128), B=8, 4096 cache rows, bf16, a [B, 1, 1, T] additive mask, in a stack of layers whose K and
 V caches (134 MB per layer) exceed the L3.
 
-The two spellings transformers compiles (`repeat_kv` before SDPA when there is a mask, `enable_gqa` when
-there is none), eager and compiled by stock torch.compile and by mla_inductor, against eager's packed
+The three spellings transformers compiles (`repeat_kv` before SDPA when there is a mask, `enable_gqa` when
+there is none, and attention written out, attn_implementation="eager": transformers' own
+`eager_attention_forward`), eager and compiled by stock torch.compile and by mla_inductor, against eager's packed
 form (what transformers runs eagerly), with the copy bandwidth and the best GEMM throughput of this CPU
 (`benchmarking.gemm_probe`) timed in the same interleaved rounds. The mask admits three quarters of the
 rows (a StaticCache three quarters full): the roofline is the larger of those rows' keys and values at
@@ -17,8 +18,10 @@ run groups of 16 on tiles.
 """
 
 import argparse
+import types
 
 import torch
+from transformers.models.llama.modeling_llama import eager_attention_forward
 
 import mla_inductor
 from mla_inductor import benchmarking, isa
@@ -51,6 +54,11 @@ def main():
     mask = mask.to(dtype)
     scale = HEAD_DIM**-0.5
 
+    module = types.SimpleNamespace(num_key_value_groups=args.heads // KV_HEADS, training=False)
+
+    def written_out(q, k, v, mask, scale):  # [B, 1, H, d] as transformers' callers take it; [B, H, 1, d] here
+        return eager_attention_forward(module, q, k, v, mask, scale)[0].transpose(1, 2)
+
     def stack(fn):
         return lambda: [fn(q, k, v, mask, scale) for k, v in caches]
 
@@ -58,10 +66,13 @@ def main():
         "eager, packed": stack(packed_attention),
         "eager, repeat_kv": stack(repeated),
         "eager, enable_gqa": stack(grouped),
+        "eager, written out": stack(written_out),
         "stock, repeat_kv": stack(torch.compile(repeated, dynamic=False)),
         "stock, enable_gqa": stack(torch.compile(grouped, dynamic=False)),
+        "stock, written out": stack(torch.compile(written_out, dynamic=False)),
         "mla_inductor, repeat_kv": stack(torch.compile(repeated, backend="mla_inductor", dynamic=False)),
         "mla_inductor, enable_gqa": stack(torch.compile(grouped, backend="mla_inductor", dynamic=False)),
+        "mla_inductor, written out": stack(torch.compile(written_out, backend="mla_inductor", dynamic=False)),
     }
     copy, copy_bytes = benchmarking.copy_probe()
     gemm, gemm_flops = benchmarking.gemm_probe(dtype)
@@ -82,7 +93,7 @@ def main():
     roofline = max(admitted_bytes / bandwidth, flops / throughput)
     print(f"\n## B={args.batch}, {args.heads} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
           f"({admitted} admitted by the mask), bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB "
-          f"of K and V; fired {fired}/2; max |variant - eager packed| {error:.3g}; in the rounds copy "
+          f"of K and V; fired {fired}/3; max |variant - eager packed| {error:.3g}; in the rounds copy "
           f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_name(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "
           f"roofline {roofline * 1e3:.1f} ms = max({admitted_bytes / bandwidth * 1e3:.1f} ms of K and V read, "
           f"{flops / throughput * 1e3:.1f} ms for {flops / 1e9:.2f} GFLOP); {benchmarking.machine_line()}")

@@ -33,6 +33,18 @@ def test_slices_offset_their_origin_dim_and_expand_broadcasts():
     assert _factors(Layout.identity([3, 1, 7]).expand([3, 4, 7]).dims)[1] == [(None, 4, 0)]
 
 
+def test_repeat_tiles_a_dim_with_the_copies_outermost():
+    """`k.repeat(1, 3, 1, 1)`: head h of the result is head h % 2 of k (not repeat_kv's h // 3)."""
+    layout = Layout.identity([4, 2, 5, 8]).repeat([1, 3, 1, 1])
+    assert _factors(layout.dims)[1] == [(None, 3, 0), (1, 2, 1)]
+    assert _factors(Layout.identity([5, 8]).repeat([2, 1, 1]).dims) == [[(None, 2, 0)], [(0, 5, 1)], [(1, 8, 1)]]
+    gm = make_fx(lambda k: k.repeat(1, 3, 1, 1).reshape(24, 5, 8) @ torch.ones(8, 1))(torch.randn(4, 2, 5, 8))
+    assert any(n.target is torch.ops.aten.repeat.default for n in gm.graph.nodes)
+    c = Contraction.of(_bmm(gm))
+    assert c.a.origin.name.startswith("k")
+    assert [(f.label, f.size) for f in c.a.layout.dims[0]] == [(0, 4), (None, 3), (1, 2), (2, 5)]  # matmul: an mm
+
+
 def test_einsum_absorption_reads_as_axes_over_the_weight_view():
     """DeepSeek's `einsum("bshd,hdc->bshc", q_nope, wkv_b.view(H, -1, L)[:, :nope])`."""
     heads, nope, v, latent = 3, 4, 5, 6

@@ -155,6 +155,15 @@ class Layout:
             dims.append(dim if same(size, n) else [Factor(None, n, 0)])
         return Layout(dims, dict(self.offsets))
 
+    def repeat(self, repeats: Sequence[Size]) -> "Layout":
+        """`Tensor.repeat`: each dim tiled, the copies outermost (a broadcast factor before the dim's own);
+        repeats beyond the rank are new leading dims."""
+        lead = len(repeats) - len(self.dims)
+        dims = [[Factor(None, n, 0)] if not same(n, 1) else [] for n in repeats[:lead]]
+        for dim, n in zip(self.dims, repeats[lead:]):
+            dims.append(dim if same(n, 1) else [Factor(None, n, 0), *dim])
+        return Layout(dims, dict(self.offsets))
+
     def slice(self, dim: int, start: Size, length: Size, step: int = 1) -> "Layout":
         """`length` elements of `dim` from `start` (not negative) by `step`."""
         dim %= len(self.dims)
@@ -184,7 +193,8 @@ _SAME = {aten.clone.default, aten.alias.default, aten.detach.default, aten.conti
 SPLITS = {aten.split_with_sizes.default, aten.split.Tensor}  # read by their items (is_split_item)
 LAYOUT_OPS = _VIEWS | _SAME | {
     aten.permute.default, aten.transpose.int, aten.t.default, aten.unsqueeze.default, aten.squeeze.dim,
-    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.slice.Tensor, aten.select.int,
+    aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.repeat.default, aten.slice.Tensor,
+    aten.select.int,
 }
 
 
@@ -238,6 +248,8 @@ def apply(layout: Layout, node: Node) -> Layout:
         return layout.squeeze(args[1])
     if t is aten.expand.default:
         return layout.expand(shape(node))
+    if t is aten.repeat.default:
+        return layout.repeat(args[1])
     if t is aten.slice.Tensor:
         dim, start, _, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
         return layout.slice(dim, _start(layout, dim, start), shape(node)[dim % len(layout.dims)], step)

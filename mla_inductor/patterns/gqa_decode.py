@@ -11,13 +11,17 @@ compiled graphs, each written below as the model code it matches:
   the cache, every step) before the attention reads them;
 - SDPA with `enable_gqa=True` (transformers without a mask): ATen's CPU flash attention runs it about
   9x slower than the packed form on one query row (docs/gqa_decode.md).
-Both become `mla::gqa_decode_attention` (ops/gqa_decode.py), which reads each key/value row once for
+- attention written out, without SDPA: transformers' `eager_attention_forward` (attn_implementation=
+  "eager", and the only attention of Gemma-2, whose logits are softcapped), serving code's own
+  `q @ k.transpose(-1, -2)`, einsums. The anchored match below reads its math, whatever the spelling.
+All become `mla::gqa_decode_attention` (ops/gqa_decode.py), which reads each key/value row once for
 all its query heads: a flash-decoding template that skips the blocks of rows the mask excludes (a
 StaticCache's unfilled tail), or, where the template cannot serve, SDPA of the packed query.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -27,11 +31,16 @@ from torch.fx.operator_schemas import normalize_function
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.gqa_decode import check_args
-from .registry import node_value, register_fusion
+from . import contraction
+from .attention_scores import (Logits, logits_of_softmax, mask_argument, next_contraction, read_logits,
+                               roles_of_contraction, scale_by_tensors, softmax_divisions)
+from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
+from .registry import node_value, register_anchored_rewrite, register_fusion
 
 FUSION = "gqa_decode"
 _SCALE = 0.0625  # a magic value: the literal becomes the argument
-_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+aten = torch.ops.aten
+_FLASH_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
 def repeat_kv(x, n_rep):
@@ -115,3 +124,207 @@ def _example_inputs() -> list:
 def register() -> None:
     for search_fn in (repeated, grouped):
         register_fusion(FUSION, search_fn, fused, _example_inputs(), check, scalar_workaround={"scale": _SCALE})
+    register_anchored_rewrite(FUSION, softmax_divisions, rewrite_grouped_attention)
+
+
+# --- anchored match: grouped-query attention written out ---------------------------------------------
+#
+# Eager attention spells the SDPA above as its math: q @ repeat_kv(k)^T, scaled (softcapped), plus a
+# mask, a softmax (in fp32 and back), @ repeat_kv(v). The walk anchors on the softmax and reads its
+# logits as mla_decode's anchored match does (attention_scores.py), then the score contraction's axes by
+# role (contraction.py):
+#   - feature: contracted; the key cache's last dim;
+#   - group: the query heads that share a key/value head: a batch axis along which the key cache is
+#     broadcast (repeat_kv's expand, or a repeat), or, where the query was split into key/value heads x
+#     groups (the packed form serving code writes), the query's free axis;
+#   - kv_head: a batch axis of the cache read from the same query dim as the group (in either order:
+#     the roles, not the order, decide which key/value head a query head reads);
+#   - request: the other batch axis the query and the cache share;
+#   - rows: free in the cache, the softmax's dim.
+# The probabilities must be contracted over those rows with a value cache read at the same rows by
+# request and key/value head, broadcast over the group. Caches are passed as views of the tensors the
+# model reads (the cache buffer itself, not repeat_kv's copy), the query from the graph's operand.
+_ORDER = ("request", "kv_head", "group")
+
+
+def _score_roles(c: contraction.Contraction, query_is_a: bool) -> dict:
+    """Axis -> role of the score contraction, by which operand each axis is a factor of. Unsupported
+    where the scores are not a grouped query's (multi-head attention, one query for all heads)."""
+    roles, cache_batch, query_free, groups = {}, [], [], []
+    for axis, (fa, fb, _) in c.axes.items():
+        fc = fb if query_is_a else fa
+        if axis[0] == "k":
+            roles[axis] = "feature"
+        elif axis[0] == "batch":
+            (groups if fc.label is None else cache_batch).append(axis)
+        elif fc is not None:
+            roles[axis] = "rows"
+        else:
+            query_free.append(axis)
+    if len(groups) > 1:
+        raise contraction.Unsupported("keys broadcast over two axes")
+    if groups and query_free:
+        raise Decline("the queries have more than one row per request and head (prefill?)")
+
+    def query_dim(axis):
+        return c.axes[axis][0 if query_is_a else 1].label
+
+    if not groups:  # the packed form: the query's heads split into key/value heads x a free group axis
+        packed = [a for a in query_free if any(query_dim(a) == query_dim(b) for b in cache_batch)]
+        if len(query_free) != 1 or len(packed) != 1:
+            raise contraction.Unsupported("no query heads grouped over a key/value head")
+        groups = packed
+    (group,) = groups
+    roles[group] = "group"
+    for axis in cache_batch:
+        roles[axis] = "kv_head" if query_dim(axis) == query_dim(group) else "request"
+    if sum(r == "request" for r in roles.values()) > 1 or sum(r == "kv_head" for r in roles.values()) > 1:
+        raise Decline("the cache has more than a request and a key/value head dim besides its rows")
+    return roles
+
+
+def _cache_view(emit: Emitter, operand: contraction.Operand, factor_roles: dict, order: tuple) -> torch.fx.Node:
+    """The tensor a cache operand reads, as a view of dims `order` (a role the operand lacks: a dim of 1).
+    Each dim of its origin must be read in order as one role (a slice of it at most), or not at all (a
+    select, or a dim of 1)."""
+    origin, layout = operand.origin, operand.layout
+    sizes = contraction.shape(origin)
+    view, dim_roles = origin, {}
+    for dim in reversed(range(len(sizes))):  # from the last: a select leaves the dims before it in place
+        factors = [f for f in factor_roles if f.label == dim]
+        start = layout.offsets.get(dim, 0)
+        if not factors:
+            if not (same(sizes[dim], 1) or dim in layout.offsets):
+                raise Decline(f"the cache's dim {dim} is broadcast or summed over, not read")
+            view = emit(aten.select.int, view, dim, start)
+            continue
+        if len(factors) > 1 or not same(factors[0].stride, 1):
+            raise Decline(f"the cache's dim {dim} is not read in order as one dim")
+        (f,) = factors
+        if not (same(start, 0) and same(f.size, sizes[dim])):
+            view = emit(aten.slice.Tensor, view, dim, start, start + f.size)
+        dim_roles[dim] = factor_roles[f]
+    present = [dim_roles[d] for d in sorted(dim_roles)]
+    if sorted(present) != sorted(r for r in order if r in present):
+        raise Decline("the cache's dims do not hold one request, key/value head, row and column each")
+    view = emit(aten.permute.default, view, [present.index(r) for r in order if r in present])
+    for i, role in enumerate(order):
+        if role not in present:
+            view = emit(aten.unsqueeze.default, view, i)
+    return view
+
+
+@dataclasses.dataclass
+class _Candidate:
+    logits: Logits
+    scores: contraction.Contraction
+    query_is_a: bool
+    roles: dict  # the score contraction's axis -> role
+    scores_roles: list  # per dim of the logits: [(role, size, stride)]
+    value: contraction.Contraction
+    value_roles: dict
+    probs_is_a: bool
+
+
+def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
+    """Softmaxes of grouped-query attention scores; None for anything else (latent attention, plain
+    multi-head attention, a softmax that is not attention's)."""
+    logits_node = logits_of_softmax(div)
+    found = next_contraction(div) if logits_node is not None else None
+    if found is None:
+        return None
+    try:
+        logits = read_logits(logits_node)
+        if len(logits.terms) != 1:
+            return None
+        (term,) = logits.terms
+        scores = contraction.Contraction.of(contraction.trace_back(term).origin)
+        value, probs_is_a = found
+        if {value.a.origin, value.b.origin} & {scores.a.origin, scores.b.origin}:
+            return None  # values read from the keys' tensor: latent attention (mla_decode)
+        at, layout = scores.node, scores.output_layout()
+        while at is not term:  # the layout ops from the bmm to the logits
+            if len(at.users) != 1:
+                return None
+            (at,) = at.users
+            layout = contraction.apply(layout, at)
+        last = layout.dims[-1]
+        if not last or len({f.label[0] for f in last}) != 1 or last[0].label[0] not in ("m", "n"):
+            return None
+        query_is_a = last[0].label[0] == "n"
+        roles = _score_roles(scores, query_is_a)
+    except contraction.Unsupported:
+        return None
+    # From here on the softmax reads a grouped query's scores: near misses are reported.
+    if [f.label for f in last] != [a for a in scores.axes if roles[a] == "rows"]:
+        raise Decline("the softmax dim does not hold every cache row")
+    scores_roles = axis_roles(layout, roles)
+    try:
+        value_roles = roles_of_contraction(value, probs_is_a, scores_roles, "value_column", "group")
+    except Decline as why:  # the probabilities' heads read whole: values of their own per query head
+        raise Decline("the values differ between the query heads of a group") from why
+    if not all((axis[0] == "k") == (role == "rows") for axis, role in value_roles.items()):
+        raise Decline("P.V does not contract the probabilities' rows with the value rows")
+    return _Candidate(logits, scores, query_is_a, roles, scores_roles, value, value_roles, probs_is_a)
+
+
+def _cache_factors(c: contraction.Contraction, of_a: bool, roles: dict) -> dict:
+    """The factors of c's operand (a if of_a) that read its origin, by role."""
+    factors = {}
+    for axis, (fa, fb, _) in c.axes.items():
+        f = fa if of_a else fb
+        if f is not None and f.label is not None:
+            factors[f] = roles[axis]
+    return factors
+
+
+def _starts(operand: contraction.Operand, factor_roles: dict) -> dict:
+    """Role -> where its dim is read from in the operand's origin."""
+    return {role: operand.layout.offsets.get(f.label, 0) for f, role in factor_roles.items()}
+
+
+def rewrite_grouped_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
+    """The anchored match (see above) on a softmax that may read grouped-query attention scores."""
+    cand = _find_candidate(div)
+    if cand is None:
+        return False
+    scores, value, roles, value_roles = cand.scores, cand.value, cand.roles, cand.value_roles
+    key_operand = scores.b if cand.query_is_a else scores.a
+    value_operand = value.b if cand.probs_is_a else value.a
+    key_factors = _cache_factors(scores, not cand.query_is_a, roles)
+    value_factors = _cache_factors(value, not cand.probs_is_a, value_roles)
+    if "group" in value_factors.values():
+        raise Decline("the values differ between the query heads of a group")
+    sizes = {"request": 1, "kv_head": 1}
+    for axis, role in roles.items():
+        sizes[role] = scores.axes[axis][2]
+    sizes["value_column"] = next(s for a, (_, _, s) in value.axes.items() if value_roles[a] == "value_column")
+    for role in ("request", "kv_head", "rows"):
+        in_values = [s for a, (_, _, s) in value.axes.items() if value_roles[a] == role]
+        if in_values and not same(in_values[0], sizes[role]):
+            raise Decline(f"P.V reads another number of {role.replace('_', ' ')}s than the scores")
+    key_starts, value_starts = _starts(key_operand, key_factors), _starts(value_operand, value_factors)
+    if any(not same(key_starts.get(r, 0), value_starts.get(r, 0)) for r in ("request", "kv_head", "rows")):
+        raise Decline("P.V reads other rows than the scores")
+
+    batch, heads = sizes["request"], sizes["kv_head"] * sizes["group"]
+    end, out_layout, _ = value.result()
+    emit = Emitter(graph, end, like=div)
+    key = _cache_view(emit, key_operand, key_factors, ("request", "kv_head", "rows", "feature"))
+    values = _cache_view(emit, value_operand, value_factors, ("request", "kv_head", "rows", "value_column"))
+    query = operand_in_role_order(emit, scores, cand.query_is_a, roles, (*_ORDER, "feature"), sizes)
+    if cand.logits.scale_tensors:  # a scale the graph holds as a tensor, folded into the query
+        query = scale_by_tensors(emit, emit.cast(query, torch.float32), cand.logits)
+    query = emit(aten.reshape.default, emit.cast(query, key.meta["val"].dtype), [batch, heads, 1, sizes["feature"]])
+    mask = mask_argument(emit, cand.logits, cand.scores_roles, batch, sizes["rows"])
+    if mask is not None:
+        mask = emit(aten.reshape.default, mask, [-1, 1, 1, sizes["rows"]])
+    try:
+        out = emit(torch.ops.mla.gqa_decode_attention.default, query, key, values, mask, cand.logits.scale,
+                   cand.logits.softcap)
+    except ValueError as error:
+        raise Decline(str(error).removeprefix("mla::gqa_decode_attention: ")) from error
+    out = emit(aten.reshape.default, out, [batch, sizes["kv_head"], sizes["group"], sizes["value_column"]])
+    end.replace_all_uses_with(
+        from_role_order(emit, out, (*_ORDER, "value_column"), sizes, end, axis_roles(out_layout, value_roles)))
+    return True

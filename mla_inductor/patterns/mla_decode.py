@@ -25,7 +25,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import contraction
-from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, role_through, same
+from .attention_scores import (Logits, logits_of_softmax, mask_argument, next_contraction, node_is, read_logits,
+                               roles_of_contraction, scale_by_tensors, softmax_divisions)
+from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion, upcast
 
 FUSION = "mla_decode"
@@ -250,7 +252,7 @@ def _hf_inputs(batch: int, dtype: torch.dtype) -> list:
 
 
 def register() -> None:
-    register_anchored_rewrite(FUSION, _softmax_divisions, rewrite_latent_attention)
+    register_anchored_rewrite(FUSION, softmax_divisions, rewrite_latent_attention)
     for dtype in (torch.bfloat16, torch.float32):
         register_fusion(
             FUSION,
@@ -308,155 +310,6 @@ def register() -> None:
 # fails a condition is recorded with the reason (explain()).
 
 
-def _node_is(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _scalar(arg) -> Optional[float]:
-    return float(arg) if isinstance(arg, (int, float)) and not isinstance(arg, bool) else None
-
-
-def _logits_of_softmax(div: torch.fx.Node) -> Optional[torch.fx.Node]:
-    """Y for div = exp(Y - amax(Y)) / sum(exp(...)) over the last dim, also in the form Inductor's joint
-    pass leaves when it folds a scale into the softmax (`where(all_inf, scaled, Y - amax(Y))`)."""
-    aten = torch.ops.aten
-    exp, total = div.args
-    if not (_node_is(exp, aten.exp.default) and _node_is(total, aten.sum.dim_IntList) and total.args[0] is exp):
-        return None
-    rank = exp.meta["val"].dim()
-    if [d % rank for d in total.args[1]] != [rank - 1]:
-        return None
-    shifted = exp.args[0]
-    if _node_is(shifted, aten.where.self):
-        shifted = shifted.args[2]
-    if not _node_is(shifted, aten.sub.Tensor) or not _node_is(shifted.args[1], aten.amax.default):
-        return None
-    logits = shifted.args[0]
-    return logits if shifted.args[1].args[0] is logits else None
-
-
-@dataclasses.dataclass
-class _Logits:
-    terms: list  # nodes: the results of score contractions, summed
-    scale: float  # on the sum of the terms
-    bias: Optional[torch.fx.Node]  # an additive mask
-    bias_scale: float  # the scale applied to the bias after it was added (a mask added before scaling)
-    scale_tensors: list  # (0-d tensor node, divides): a scale the graph holds as a tensor, on the whole sum
-    bias_scaled_by_tensors: bool  # whether the bias was added before those
-    softcap: float  # cap * tanh(scaled scores / cap) before the mask; 0: none
-    admit: Optional[object]  # a bool mask node, true where a row counts, or ("not", node)
-
-
-def _read_logits(node: torch.fx.Node) -> _Logits:
-    """The logits as scale x (sum of contraction results) + bias, masked: what the op computes."""
-    aten, prims = torch.ops.aten, torch.ops.prims
-    out = _Logits(terms=[], scale=1.0, bias=None, bias_scale=1.0, scale_tensors=[], bias_scaled_by_tensors=False,
-                  softcap=0.0, admit=None)
-
-    def is_neg_inf(arg) -> bool:
-        if _node_is(arg, aten.full.default):
-            arg = arg.args[1]
-        elif _node_is(arg, aten.scalar_tensor.default):
-            arg = arg.args[0]
-        return isinstance(arg, float) and arg == float("-inf")
-
-    def admit(mask) -> None:
-        if out.admit is not None:
-            raise Decline("two boolean masks")
-        out.admit = mask
-
-    def visit(n, above: float, split: bool = False, capped: bool = False) -> float:
-        """The scale within n's subtree; `above` is the scale applied to n on its way to the softmax;
-        `split` once n is one of two added score terms, `capped` once it is under a softcap."""
-        if _node_is(n, prims.convert_element_type.default, aten.clone.default, aten.alias.default):
-            return visit(n.args[0], above, split, capped)  # same elements, same layout
-        if (cap := _softcap(n)) is not None:  # cap * tanh(scores / cap), on the whole scaled sum
-            if out.softcap or split or above != 1.0 or out.scale_tensors:
-                raise Decline("a softcap the op cannot express (twice, on one term, or scaled after)")
-            out.softcap = cap
-            return visit(n.args[0].args[0].args[0], 1.0, split, capped=True)
-        if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _scalar(n.args[1]) is not None:
-            s = _scalar(n.args[1]) if n.target is aten.mul.Tensor else 1.0 / _scalar(n.args[1])
-            return s * visit(n.args[0], above * s, split, capped)
-        if _node_is(n, aten.mul.Tensor, aten.div.Tensor) and _is_scalar_tensor(n.args[1]):
-            # torch.compile(dynamic=True) passes a module's float (the softmax scale) as a 0-d tensor
-            if split or capped:
-                raise Decline("a tensor scale on one of the score terms or under a softcap")
-            out.scale_tensors.append((n.args[1], n.target is aten.div.Tensor))
-            return visit(n.args[0], above, split)
-        masking = _node_is(n, aten.where.self, aten.masked_fill.Scalar, aten.add.Tensor) and not (
-            _node_is(n, aten.add.Tensor) and all(_is_score_sum(a) for a in n.args[:2]))
-        if masking and capped:  # tanh(-inf) is -1: a mask under the cap does not exclude the row
-            raise Decline("a mask under the softcap")
-        if _node_is(n, aten.where.self) and (is_neg_inf(n.args[1]) or is_neg_inf(n.args[2])):
-            keep_first = is_neg_inf(n.args[2])
-            admit(n.args[0] if keep_first else ("not", n.args[0]))
-            return visit(n.args[1] if keep_first else n.args[2], above)
-        if _node_is(n, aten.masked_fill.Scalar) and is_neg_inf(n.args[2]):
-            admit(("not", n.args[1]))
-            return visit(n.args[0], above)
-        if _node_is(n, aten.add.Tensor) and all(isinstance(a, torch.fx.Node) for a in n.args[:2]):
-            sides = [a for a in n.args[:2] if not _is_score_sum(a)]
-            if len(sides) == 1:  # scores + mask
-                if out.bias is not None:
-                    raise Decline("two additive masks")
-                out.bias, out.bias_scale, out.bias_scaled_by_tensors = sides[0], above, bool(out.scale_tensors)
-                return visit(n.args[0] if sides[0] is n.args[1] else n.args[1], above, split)
-            if sides:
-                raise Decline(f"{n.name} adds two tensors neither of which is a contraction")
-            first, second = visit(n.args[0], above, True, capped), visit(n.args[1], above, True, capped)
-            if not math.isclose(first, second, rel_tol=1e-6):
-                raise Decline("the score contractions are scaled differently")
-            return first
-        origin = contraction.trace_back(n).origin
-        if not _node_is(origin, aten.bmm.default, aten.mm.default):  # not attention scores: no candidate
-            raise contraction.Unsupported(f"the softmax input reaches {n.name} ({n.target}), not a contraction")
-        out.terms.append(n)
-        return 1.0
-
-    out.scale = visit(node, 1.0)
-    if out.scale <= 0:
-        raise Decline(f"the scores are scaled by {out.scale}, not a positive scale")
-    return out
-
-
-def _softcap(n) -> Optional[float]:
-    """cap where n is `cap * tanh(x / cap)` (or `x * (1 / cap)`), Gemma-2's logit softcap."""
-    aten = torch.ops.aten
-    if not (_node_is(n, aten.mul.Tensor) and _scalar(n.args[1]) and _node_is(n.args[0], aten.tanh.default)):
-        return None
-    cap, inner = _scalar(n.args[1]), n.args[0].args[0]
-    if not (_node_is(inner, aten.mul.Tensor, aten.div.Tensor) and _scalar(inner.args[1])):
-        return None
-    inverse = _scalar(inner.args[1]) if inner.target is aten.div.Tensor else 1.0 / _scalar(inner.args[1])
-    return cap if cap > 0 and math.isclose(inverse, cap, rel_tol=1e-6) else None
-
-
-def _is_scalar_tensor(arg) -> bool:
-    return isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dim() == 0
-
-
-def _scale_by_tensors(emit: Emitter, x: torch.fx.Node, logits: _Logits) -> torch.fx.Node:
-    """x times the scales the graph holds as tensors."""
-    for scale, divides in logits.scale_tensors:
-        x = emit(torch.ops.aten.div.Tensor if divides else torch.ops.aten.mul.Tensor, x, scale)
-    return x
-
-
-def _is_score_sum(n) -> bool:
-    """Whether n is (a scaled sum of) contraction results, through layout ops and casts."""
-    aten, prims = torch.ops.aten, torch.ops.prims
-    while _node_is(n, prims.convert_element_type.default, aten.tanh.default) or (
-            _node_is(n, aten.mul.Tensor, aten.div.Tensor) and (_scalar(n.args[1]) is not None or _is_scalar_tensor(n.args[1]))):
-        n = n.args[0]
-    if _node_is(n, aten.add.Tensor):
-        return all(isinstance(a, torch.fx.Node) and _is_score_sum(a) for a in n.args[:2])
-    try:
-        return _node_is(contraction.trace_back(n).origin, aten.bmm.default, aten.mm.default)
-    except contraction.Unsupported:
-        return False
-
-
 @dataclasses.dataclass
 class _CacheRead:
     """Rows of a latent cache read by a score or value contraction."""
@@ -490,7 +343,7 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
         raise Decline("the contraction does not run over the cache's last dim")
     start = layout.offsets.get(col.label, 0)
     request = by_role.get("request", [])
-    if _node_is(origin, aten.index.Tensor):
+    if node_is(origin, aten.index.Tensor):
         indices = origin.args[1]
         if len(indices) != 1 or indices[0] is None or indices[0].meta["val"].dim() != 2:
             raise Decline("the cache is gathered by something other than one 2-D index on its first dim")
@@ -568,7 +421,7 @@ def _score_term(node: torch.fx.Node) -> _Term:
 @dataclasses.dataclass
 class _Candidate:
     terms: list
-    logits: _Logits
+    logits: Logits
     probs: torch.fx.Node
     value: contraction.Contraction
     value_roles: dict
@@ -578,46 +431,18 @@ class _Candidate:
     result_roles: list  # per result dim: [(role, size, stride)]
 
 
-def _next_contraction(node: torch.fx.Node) -> Optional[tuple[contraction.Contraction, bool]]:
-    """The contraction that reads `node` (through layout ops) and whether node is its first operand."""
-    end, _, _ = contraction.trace_forward(node, contraction.Layout.identity(contraction.shape(node)))
-    users = list(end.users)
-    if len(users) != 1 or not _node_is(users[0], torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
-        return None
-    c = contraction.Contraction.of(users[0])
-    if c.a.origin is node:
-        return c, True
-    if c.b.origin is node:
-        return c, False
-    return None
-
-
-def _roles_of_contraction(c: contraction.Contraction, from_a: bool, source_roles: list, free_other: str,
-                          broadcast_other: str) -> dict:
-    """Axis roles of a contraction whose operand (a if from_a) reads a tensor with `source_roles`:
-    contracted axes keep that tensor's role; the other operand's free axes are `free_other`."""
-    roles = {}
-    for axis, (fa, fb, _) in c.axes.items():
-        mine, other = (fa, fb) if from_a else (fb, fa)
-        if mine is not None:
-            if mine.label is None:
-                roles[axis] = broadcast_other
-            else:
-                roles[axis] = role_through(mine, source_roles)
-        else:
-            roles[axis] = free_other
-    return roles
-
-
 def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
-    logits_node = _logits_of_softmax(div)
+    logits_node = logits_of_softmax(div)
     if logits_node is None:
         return None
     try:
-        logits = _read_logits(logits_node)
+        logits = read_logits(logits_node)
     except contraction.Unsupported:
         return None  # a softmax over something other than scores: not a candidate at all
+    found = next_contraction(div)
     try:
+        if found is not None and not _values_from_the_scores_cache(logits, found[0]):
+            return None
         terms = [_score_term(t) for t in logits.terms]
     except contraction.Unsupported:
         return None
@@ -629,11 +454,10 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         raise Decline("the score contractions are added with different layouts")
     if any(not _same_rows(t.cache, terms[0].cache) for t in terms[1:]):
         raise Decline("the score contractions read different rows")
-    found = _next_contraction(div)
     if found is None:
         raise Decline("the probabilities are not contracted with the cache")
     value, probs_is_a = found
-    value_roles = _roles_of_contraction(value, probs_is_a, roles, "latent", "head")
+    value_roles = roles_of_contraction(value, probs_is_a, roles, "latent", "head")
     cache_roles = {}
     for axis, (fa, fb, _) in value.axes.items():
         f = fb if probs_is_a else fa
@@ -654,11 +478,11 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     end, layout, _ = value.result()
     latent_roles = axis_roles(layout, value_roles)
     w_vc, w_roles = None, None
-    after = _next_contraction(value.node)
+    after = next_contraction(value.node)
     if after is not None:
         c, o_is_a = after
         out_roles = axis_roles(value.output_layout(), value_roles)
-        candidate_roles = _roles_of_contraction(c, o_is_a, out_roles, "value", "request")
+        candidate_roles = roles_of_contraction(c, o_is_a, out_roles, "value", "request")
         contracted = {candidate_roles[a] for a in c.axes if a[0] == "k"}
         w = c.b if o_is_a else c.a
         # W_vc: one matrix per head (a weight shared by the heads stays the model's own product)
@@ -669,6 +493,17 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
             end, layout, _ = c.result()
             latent_roles = axis_roles(layout, w_roles)
     return _Candidate(terms, logits, div, value, value_roles, w_vc, w_roles, end, latent_roles)
+
+
+def _values_from_the_scores_cache(logits: Logits, value: contraction.Contraction) -> bool:
+    """Whether P.V reads a tensor the scores read: latent attention takes its values from the cache its
+    keys are in (the latent columns). Values of their own are grouped-query or multi-head attention,
+    which gqa_decode's anchored match reads."""
+    read = set()
+    for term in logits.terms:
+        c = contraction.Contraction.of(contraction.trace_back(term).origin)
+        read |= {c.a.origin, c.b.origin}
+    return value.a.origin in read or value.b.origin in read
 
 
 def _reads_cache(operand: contraction.Operand, terms) -> bool:
@@ -734,7 +569,7 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         tables = lat_read.tables
     lens = emit(aten.full.default, [batch], lat_read.rows, dtype=torch.int64,
                 device=lat_read.cache.meta["val"].device, pin_memory=False)
-    mask = _mask_argument(emit, cand, batch, lat_read.rows)
+    mask = mask_argument(emit, cand.logits, cand.terms[0].scores_roles, batch, lat_read.rows)
 
     w_vc = None
     if cand.w_vc is not None:
@@ -751,7 +586,7 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
     if cand.logits.scale_tensors:  # the op's scale_tensor overrides its scale: it carries both
         device = cand.logits.scale_tensors[0][0].meta["val"].device
         scale = emit(aten.full.default, [], scale, dtype=torch.float64, device=device, pin_memory=False)
-        scale_tensor, scale = _scale_by_tensors(emit, scale, cand.logits), 1.0
+        scale_tensor, scale = scale_by_tensors(emit, scale, cand.logits), 1.0
     try:
         out = emit(torch.ops.mla.latent_decode_attention.default, q, kv, tables, lens, kv_lora_rank,
                    scale, cand.logits.softcap, None, None, w_vc, scale_tensor, rope_cache, mask)
@@ -762,49 +597,6 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
 
 def _latent_columns(cand: _Candidate) -> int:
     return next(s for a, (_, _, s) in cand.value.axes.items() if cand.value_roles[a] == "latent")
-
-
-def _mask_argument(emit: Emitter, cand: _Candidate, batch: int, rows: int) -> Optional[torch.fx.Node]:
-    """The mask as [batch or 1, rows]: bool where a row counts, or an additive float bias."""
-    aten = torch.ops.aten
-    logits = cand.logits
-    bias = _as_rows_mask(emit, cand, logits.bias, batch, rows) if logits.bias is not None else None
-    if bias is not None and logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
-        bias = emit(aten.mul.Tensor, bias, logits.bias_scale)
-    if bias is not None and logits.bias_scaled_by_tensors:
-        bias = _scale_by_tensors(emit, bias, logits)
-    admit = None
-    if logits.admit is not None:
-        negate = isinstance(logits.admit, tuple)
-        admit = _as_rows_mask(emit, cand, logits.admit[1] if negate else logits.admit, batch, rows)
-        if negate:
-            admit = emit(aten.logical_not.default, admit)
-    if bias is None or admit is None:
-        return admit if bias is None else bias
-    return emit(aten.where.self, admit, bias, emit(aten.full.default, [], float("-inf"), dtype=bias.meta["val"].dtype,
-                                                   device=bias.meta["val"].device, pin_memory=False))
-
-
-def _as_rows_mask(emit: Emitter, cand: _Candidate, mask: torch.fx.Node, batch: int, rows: int) -> torch.fx.Node:
-    """A mask broadcast over the scores as [batch or 1, rows], if it is one per request and row."""
-    aten = torch.ops.aten
-    shape = contraction.shape(mask)
-    roles = cand.terms[0].scores_roles[len(cand.terms[0].scores_roles) - len(shape):]
-    kept = []
-    for size, entries in zip(shape, roles):
-        if same(size, 1):
-            continue
-        names = list(dict.fromkeys(r for r, s, _ in entries if not same(s, 1)))
-        if names not in (["request"], ["rows"]):
-            raise Decline("the mask differs between heads or query rows")
-        kept.append(names[0])
-    if kept not in ([], ["rows"], ["request", "rows"]):
-        raise Decline("the mask is not per request and row")
-    return emit(aten.reshape.default, mask, [batch if "request" in kept else 1, rows])
-
-
-def _softmax_divisions(graph: torch.fx.Graph) -> list:
-    return [n for n in graph.nodes if _node_is(n, torch.ops.aten.div.Tensor)]
 
 
 def rewrite_latent_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
