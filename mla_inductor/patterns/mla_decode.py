@@ -433,15 +433,15 @@ class _Candidate:
 
 def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     logits_node = logits_of_softmax(div)
-    if logits_node is None:
-        return None
+    found = next_contraction(div) if logits_node is not None else None
+    if found is None:
+        return None  # no softmax, or probabilities no contraction reads (a MoE router's): not attention
     try:
         logits = read_logits(logits_node)
     except contraction.Unsupported:
         return None  # a softmax over something other than scores: not a candidate at all
-    found = next_contraction(div)
     try:
-        if found is not None and not _values_from_the_scores_cache(logits, found[0]):
+        if not _values_from_the_scores_cache(logits, found[0]):
             return None
         terms = [_score_term(t) for t in logits.terms]
     except contraction.Unsupported:
@@ -454,8 +454,6 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         raise Decline("the score contractions are added with different layouts")
     if any(not _same_rows(t.cache, terms[0].cache) for t in terms[1:]):
         raise Decline("the score contractions read different rows")
-    if found is None:
-        raise Decline("the probabilities are not contracted with the cache")
     value, probs_is_a = found
     value_roles = roles_of_contraction(value, probs_is_a, roles, "latent", "head")
     cache_roles = {}
