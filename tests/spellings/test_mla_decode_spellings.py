@@ -178,6 +178,17 @@ def test_values_apart_from_the_keys_are_not_latent_attention():
     assert fired(events, "mla_decode") == 0 and declined(events, "mla_decode") == []
 
 
+def _moe_router(x, gate_weight):
+    """DeepSeek-V2's / Qwen-MoE's gate: a softmax over x's experts scores, then top-k, no contraction."""
+    scores = torch.nn.functional.linear(x, gate_weight).softmax(dim=-1, dtype=torch.float32)
+    return torch.topk(scores, k=2, dim=-1)
+
+
+def test_a_moe_router_softmax_is_not_a_candidate():
+    _, events = rewrite_and_run(_moe_router, torch.randn(3, 16), torch.randn(8, 16))
+    assert [e for e in events if e.fusion in ("mla_decode", "gqa_decode")] == []
+
+
 def test_not_a_candidate_when_the_softmax_is_not_over_rows():
     x = ld.make_inputs(torch.float32)
     _, events = rewrite_and_run(_softmax_over_features, x.q_lat, x.paged, x.block_tables)
