@@ -116,10 +116,12 @@ def greedy(model, cache, prompt, steps, step_fn=None):
 
 
 def tiny_gqa_model(arch, dtype, layers=2):
-    """A tiny transformers Llama or Qwen2 (q/k/v with bias): 4 query heads over 2 key/value heads of 24."""
+    """A tiny transformers Llama, Qwen2 (q/k/v with bias) or Qwen3 (a norm per q and k head): 4 query heads
+    over 2 key/value heads of 24."""
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[arch]
     config = config_cls(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=layers,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=128)

@@ -1,5 +1,5 @@
 """gqa_qkv: mla::qkv (Neuron's contract) and mla::gqa_qkv, their template (mla::qkv_projection), and
-the pattern on transformers Llama / Qwen2."""
+the pattern on transformers Llama / Qwen2 / Qwen3."""
 
 import functools
 import itertools
@@ -271,6 +271,61 @@ def test_template_three_weights_packed_under_freezing(freezing):
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
 
 
+class NormedHeads(ThreeLinears):
+    """Qwen3's attention input: each q and k head RMS-normalised by a weight of its own before RoPE."""
+
+    def __init__(self, dtype):
+        super().__init__(dtype, bias=False)
+        self.q_norm, self.k_norm = (torch.nn.Parameter(torch.rand(D).to(dtype) + 0.5) for _ in range(2))
+
+    def forward(self, x, cos, sin):
+        return self.project(x, cos, sin, self.q_norm, self.k_norm)
+
+    def project(self, x, cos, sin, q_norm, k_norm):
+        return torch.ops.mla.gqa_qkv(x, self.q.weight, self.k.weight, self.v.weight, None, None, None, "BSD", False,
+                                     None, "rms_norm", self.gamma, 1e-6, True, cos, sin, D, NQ, NKV, q_norm, k_norm,
+                                     1e-5)[0]
+
+    def fp64(self, x, cos, sin):
+        """Norm, GEMM, per-head norm and rotate_half in fp64, each step written out."""
+        d = torch.float64
+        h = x.to(d) / torch.sqrt((x.to(d) ** 2).mean(-1, keepdim=True) + 1e-6) * self.gamma.to(d)
+        heads = (h @ torch.cat([self.q.weight, self.k.weight, self.v.weight]).to(d).T).unflatten(-1, (-1, D))
+        for first, end, w in ((0, NQ, self.q_norm), (NQ, NQ + NKV, self.k_norm)):
+            t = heads[:, :, first:end]
+            heads[:, :, first:end] = t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-5) * w.to(d)
+        c, s = cos.to(d)[:, :, None], sin.to(d)[:, :, None]
+        qk = heads[:, :, : NQ + NKV]
+        heads[:, :, : NQ + NKV] = qk * c + torch.cat([-qk[..., D // 2:], qk[..., : D // 2]], -1) * s
+        return heads.flatten(2)
+
+
+def test_template_normalises_each_q_and_k_head_as_qwen3():
+    for dtype, seq in ((torch.bfloat16, 1), (torch.float32, 3)):
+        module = NormedHeads(dtype).eval()
+        a = make_inputs(dtype, seed=seq, seq=seq)
+        torch._dynamo.reset()
+        with torch.no_grad():
+            out, (code,) = run_and_get_code(torch.compile(module), a["input"], a["cos"], a["sin"])
+            eager = module(a["input"], a["cos"], a["sin"])
+            expected = module.fp64(a["input"], a["cos"], a["sin"])
+        assert "rms_norm_head" in code, "the template did not normalise the heads"
+        ours, theirs = ((t.double() - expected).abs().max().item() for t in (out, eager))
+        assert ours <= 2 * theirs + TOLERANCE[dtype] / 10, (ours, theirs)
+        torch.testing.assert_close(out, eager, atol=TOLERANCE[dtype] * 2, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("q_norm, k_norm, message", [
+    (torch.ones(D), None, "mla::gqa_qkv: q_norm_weight and k_norm_weight come together"),
+    (torch.ones(D), torch.ones(D + 1), r"k_norm_weight must be \[16\], got \[17\]"),
+    (torch.ones(D, dtype=torch.bfloat16), torch.ones(D), "q_norm_weight has dtype torch.bfloat16, expected torch.float32"),
+])
+def test_head_norms_reject_bad_weights_naming_them(q_norm, k_norm, message):
+    module, a = NormedHeads(torch.float32), make_inputs(torch.float32)
+    with pytest.raises(ValueError, match=message):
+        module.project(a["input"], a["cos"], a["sin"], q_norm, k_norm)
+
+
 class FusedWeight(torch.nn.Module):
     """Neuron's layout: one [H, I] weight; the template reads it as [I, H] rows (packed under freezing)."""
 
@@ -309,7 +364,7 @@ def test_template_writes_an_fp8_block_cache_as_eager_does():
 
 
 # Llama without freezing: the first half of the recompile test below.
-@pytest.mark.parametrize("arch, freezing", [("qwen2", False), ("llama", True)])
+@pytest.mark.parametrize("arch, freezing", [("qwen2", False), ("llama", True), ("qwen3", False)])
 def test_static_cache_decode_fires_per_layer_and_greedy_tokens_equal_eager(arch, freezing):
     counts, (expected_tokens, expected_logits), (tokens, logits) = static_cache_greedy_decode(arch, freezing)
     assert counts["gqa_qkv"] == 2

@@ -1,5 +1,5 @@
-"""Lowering of mla::qkv_projection (the GEMM, bias, RoPE and layout of mla::qkv / mla::gqa_qkv) to the
-segmented GEMM template of the projection ops, with bias and RoPE as its epilogue."""
+"""Lowering of mla::qkv_projection (the GEMM, bias, head norms, RoPE and layout of mla::qkv / mla::gqa_qkv)
+to the segmented GEMM template of the projection ops, with bias, head norms and RoPE as its epilogue."""
 
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ class QkvProjectionTemplate(FusedOpTemplate):
     template_file = "gqa_qkv.cpp.j2"
 
     def __init__(self, inputs: dict, segments: list, scales: list, layout: ir.Layout, segment_rows: list[int],
-                 d_head: int, rotated_heads: int, output_layout: str, quantized: Optional[dict]) -> None:
+                 d_head: int, rotated_heads: int, output_layout: str, quantized: Optional[dict],
+                 head_norms: tuple[int, int, float]) -> None:
         named = {**{f"W{i}": w for i, w in enumerate(segments)}, **{f"WS{i}": s for i, s in enumerate(scales)}}
         super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
         self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
         self.quantized = quantized  # segment_gemm.quantized_weights
+        self.num_q_heads, self.num_kv_heads, self.head_norm_eps = head_norms  # for QN, KN
 
     def _quantized_options(self, kernel) -> dict:
         """quantize_x (the W8A8 scheme, or None) and weight_scales: per weight (scale input, nt_dot.h's
@@ -42,8 +44,9 @@ class QkvProjectionTemplate(FusedOpTemplate):
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
         rope = ("rope.h",) if self.inputs["COS"] is not None else ()
+        norm = ("rms_norm.h",) if self.inputs["QN"] is not None else ()
         quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
-        return ("widen.h", "nt_dot.h") + quantized + packed + rope
+        return ("widen.h", "nt_dot.h") + quantized + packed + norm + rope
 
     def options(self, kernel) -> dict:
         x = self.inputs["X"]
@@ -59,6 +62,9 @@ class QkvProjectionTemplate(FusedOpTemplate):
             y_origin=[0] * len(self.layout.size),
             d_head=self.d_head,
             rotated_heads=self.rotated_heads,
+            num_q_heads=self.num_q_heads,
+            normed_heads=self.num_q_heads + self.num_kv_heads,
+            head_norm_eps=f"{float(self.head_norm_eps)!r}f",
             output_layout=self.output_layout,
         )
 
@@ -78,13 +84,14 @@ def _template_can_serve(x, weights, cos, weight_scales) -> bool:
 
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout,
-                         weight_scales=None, activation_quant="none", input_scale=None):
+                         weight_scales=None, activation_quant="none", input_scale=None, q_norm_weight=None,
+                         k_norm_weight=None, head_norm_eps=1e-6):
     args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
     dims = guard_ints(dict(hidden=x.get_size()[-1]))
     if dims is None or not _template_can_serve(x, weights, cos_cache, weight_scales):
-        return L.fallback_handler(OP, add_to_fallback_set=False)(*args, weight_scales=weight_scales,
-                                                                 activation_quant=activation_quant,
-                                                                 input_scale=input_scale)
+        return L.fallback_handler(OP, add_to_fallback_set=False)(
+            *args, weight_scales=weight_scales, activation_quant=activation_quant, input_scale=input_scale,
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, head_norm_eps=head_norm_eps)
     batch, seq, hidden = x.get_size()
     rows = batch * seq
     x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
@@ -102,10 +109,12 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
         "COS": as_rows(cos_cache),
         "SIN": as_rows(sin_cache),
         "XS": realize_input(input_scale, contiguous=True),  # fp8_static's activation scale
+        "QN": realize_input(q_norm_weight, contiguous=True),  # Qwen3's q_norm / k_norm: [d_head] each
+        "KN": realize_input(k_norm_weight, contiguous=True),
     }
     out_features = sum(segment_rows)
     size = [batch, seq, out_features] if output_layout == "BSD" else [out_features // d_head, batch, seq, d_head]
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
     return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
-                                 output_layout, quantized).select()
+                                 output_layout, quantized, (num_q_heads, num_kv_heads, head_norm_eps)).select()

@@ -1,9 +1,9 @@
 """gqa_qkv: the attention input of MHA / GQA models into `mla::gqa_qkv`.
 
-transformers' LlamaDecoderLayer / Qwen2DecoderLayer, from the residual stream to the rotated heads:
-the residual add of the previous block (`hidden = residual + mlp_out`, from the second layer on), the
-input RMSNorm, the q / k / v projections (Qwen2 with bias) viewed as heads, and rotate_half RoPE of
-q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
+transformers' LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer, from the residual stream to
+the rotated heads: the residual add of the previous block (`hidden = residual + mlp_out`, from the
+second layer on), the input RMSNorm, the q / k / v projections (Qwen2 with bias) viewed as heads,
+Qwen3's RMSNorm of each q and k head (q_norm, k_norm), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
 the halves of cos/sin equal), so the search functions are written after it: the pass runs its
 patterns for another round. The KV-cache writes stay as the model writes them (StaticCache's
 `index_copy_` / `index_put`), reading k and v from the op's output.
@@ -43,6 +43,11 @@ def _rotate(t, cos, sin):
     return torch.ops.mla.apply_rope(t, cos[..., :half], sin[..., :half], "neox")
 
 
+def _normed_heads(h, weight, norm_weight, d_head, eps):
+    """Qwen3: `q_norm(q_proj(h).view(hidden_shape)).transpose(1, 2)`, each head normalised."""
+    return rms_norm(F.linear(h, weight).view(h.shape[0], h.shape[1], -1, d_head), norm_weight, eps).transpose(1, 2)
+
+
 def _attention_input(h, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin):
     d_head = cos.shape[-1]
     q = _rotate(_heads(h, q_weight, q_bias, d_head), cos, sin)
@@ -72,16 +77,32 @@ def qwen2_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight,
     return *qwen2(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps), x
 
 
+def qwen3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
+    """One eps for the three norms, as Qwen3's config gives them (rms_norm_eps)."""
+    h, d_head = rms_norm(x, norm_weight, eps), cos.shape[-1]
+    q = _rotate(_normed_heads(h, q_weight, q_norm_weight, d_head, eps), cos, sin)
+    k = _rotate(_normed_heads(h, k_weight, k_norm_weight, d_head, eps), cos, sin)
+    return q, k, _heads(h, v_weight, None, d_head)
+
+
+def qwen3_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos,
+                   sin, eps):
+    x = residual + mlp_out
+    return *qwen3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps), x
+
+
 # --- replacements ---------------------------------------------------------------------------------
 
 
-def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps):
+def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps,
+           q_norm_weight=None, k_norm_weight=None):
     batch, seq, d_head = x.shape[0], x.shape[1], cos.shape[-1]
     num_q_heads, num_kv_heads = q_weight.shape[0] // d_head, k_weight.shape[0] // d_head
     cos, sin = (t.expand(batch, 1, seq, d_head)[:, 0] for t in (cos, sin))
     out, residual = torch.ops.mla.gqa_qkv(
         x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, "NBSd", mlp_out is not None, mlp_out,
-        "rms_norm", norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads,
+        "rms_norm", norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+        eps,
     )
     # [heads, B, S, d] -> q, k, v as [B, heads, S, d] views, as the model's transposes give them
     q = out[:num_q_heads].transpose(0, 1)
@@ -105,6 +126,17 @@ def qwen2_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bi
 def qwen2_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias,
                                cos, sin, eps):
     return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps)
+
+
+def qwen3_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
+    return _fused(x, None, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps, q_norm_weight,
+                  k_norm_weight)[:3]
+
+
+def qwen3_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_norm_weight,
+                               k_norm_weight, cos, sin, eps):
+    return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps,
+                  q_norm_weight, k_norm_weight)
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -137,8 +169,10 @@ def check(match: Match) -> Optional[str]:
 _FORMS = (  # the residual forms first: where both match, they fuse more
     (llama_residual, llama_residual_replacement),
     (qwen2_residual, qwen2_residual_replacement),
+    (qwen3_residual, qwen3_residual_replacement),
     (llama, llama_replacement),
     (qwen2, qwen2_replacement),
+    (qwen3, qwen3_replacement),
 )
 
 
@@ -150,6 +184,7 @@ def _example_inputs(search_fn, dtype: torch.dtype) -> list:
         "norm_weight": (hidden,), "q_weight": (q_rows, hidden), "k_weight": (kv_rows, hidden),
         "v_weight": (kv_rows, hidden), "q_bias": (q_rows,), "k_bias": (kv_rows,), "v_bias": (kv_rows,),
         "cos": (batch, 1, seq, d_head), "sin": (batch, 1, seq, d_head),
+        "q_norm_weight": (d_head,), "k_norm_weight": (d_head,),
     }
     names = search_fn.__code__.co_varnames[: search_fn.__code__.co_argcount]
     return [_EPS_WORKAROUND["eps"] if name == "eps" else torch.empty(sizes[name], dtype=dtype) for name in names]
