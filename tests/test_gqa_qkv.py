@@ -1,5 +1,5 @@
 """gqa_qkv: mla::qkv (Neuron's contract) and mla::gqa_qkv, their template (mla::qkv_projection), and
-the pattern on transformers Llama / Qwen2 / Qwen3."""
+the pattern on transformers Llama / Qwen2 / Qwen3 (Gemma-2: tests/spellings/test_gqa_decode_spellings.py)."""
 
 import functools
 import itertools
@@ -42,7 +42,8 @@ def call_qkv(a, layout="BSD", bias=False, residual=(), norm="none", rope=False, 
     return fn(
         a["input"], a["fused_qkv_weights"], layout, a["bias"] if bias else None, "none", None, None, bool(residual),
         a["mlp_prev"] if "mlp" in residual else None, a["attention_prev"] if "attention" in residual else None,
-        norm, a["gamma"] if norm in ("rms_norm", "layer_norm") else None, a["beta"] if norm == "layer_norm" else None,
+        norm, a["gamma"] if norm in ("rms_norm", "layer_norm", "gemma_rms_norm") else None,
+        a["beta"] if norm == "layer_norm" else None,
         1e-5, rope, a["cos"] if rope else None, a["sin"] if rope else None, D, NQ, NKV,
         k_cache, v_cache, k_scale, v_scale, block is not None, block, slots,
     )
@@ -63,7 +64,7 @@ def to_bsd(out, layout):
 
 OPTIONS = list(itertools.product(
     ["BSD", "NBSd"], [False, True], [(), ("mlp",), ("mlp", "attention")],
-    ["none", "rms_norm", "rms_norm_skip_gamma", "layer_norm"], [False, True],
+    ["none", "rms_norm", "rms_norm_skip_gamma", "layer_norm", "gemma_rms_norm"], [False, True],
 ))
 
 

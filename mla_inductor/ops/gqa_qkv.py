@@ -3,7 +3,7 @@
 The features of the Neuron `qkv` kernel, where they make sense on a CPU, all around one GEMM:
 
     x        = input (+ mlp_prev) (+ attention_prev)                  if fused_residual_add
-    x        = norm(x)                RMSNorm, RMSNorm without gamma, LayerNorm, or none
+    x        = norm(x)                RMSNorm, RMSNorm without gamma, LayerNorm, Gemma's RMSNorm, or none
     qkv      = x @ W (+ bias)         [B, S, I], I = (num_q_heads + 2 num_kv_heads) d_head
     q, k     = RMSNorm of every q and k head by its own weight [d_head]   (gqa_qkv: Qwen3's q_norm, k_norm)
     q, k     = rotate_half RoPE of every q and k head by cos/sin [B, S, d_head]   if fused_rope
@@ -39,7 +39,8 @@ from .weight_quant import ACTIVATION_QUANT, FP8_ACTIVATION_QUANT, check_quantize
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUTPUT_LAYOUTS = ("BSD", "NBSd")
-NORM_TYPES = ("none", "rms_norm", "rms_norm_skip_gamma", "layer_norm")
+# gemma_rms_norm: Gemma's RMSNorm, which scales by 1 + weight in fp32 before its one rounding (beyond Neuron's)
+NORM_TYPES = ("none", "rms_norm", "rms_norm_skip_gamma", "layer_norm", "gemma_rms_norm")
 QUANTIZATION_TYPES = ("none", "row", "static")  # Neuron's NONE, ROW, STATIC (MX is Trainium's)
 FP8 = torch.float8_e4m3fn
 
@@ -93,7 +94,7 @@ def check_args(fail, input, out_features, hidden, output_layout, bias, fused_res
         fail("mlp_prev / attention_prev are given but fused_residual_add is False")
     if fused_norm_type not in NORM_TYPES:
         fail(f"fused_norm_type must be one of {NORM_TYPES}, got {fused_norm_type!r}")
-    if fused_norm_type in ("rms_norm", "layer_norm"):
+    if fused_norm_type in ("rms_norm", "layer_norm", "gemma_rms_norm"):
         if gamma_norm_weights is None:
             fail(f"fused_norm_type={fused_norm_type!r} needs gamma_norm_weights")
         _check_tensor(fail, "gamma_norm_weights", _vector(gamma_norm_weights), input.dtype, [H])
@@ -190,7 +191,10 @@ def _norm(x: Tensor, norm_type: str, gamma, beta, eps) -> Tensor:
     if norm_type == "layer_norm":
         return F.layer_norm(x, (x.shape[-1],), gamma, beta, eps)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if norm_type == "gemma_rms_norm":  # times 1 + weight before rounding
+        return (normed * (1.0 + gamma.to(normed.dtype))).to(x.dtype)
+    normed = normed.to(x.dtype)  # transformers' Llama rounds before the weight
     return normed if norm_type == "rms_norm_skip_gamma" else gamma * normed
 
 
@@ -452,10 +456,12 @@ def reference_fp64(input, fused_qkv_weights, bias=None, residual=(), norm=("none
     d = torch.float64
     x = input.to(d) + sum((t.to(d) for t in residual), torch.zeros((), dtype=d))
     norm_type, gamma, beta, eps = norm
-    if norm_type in ("rms_norm", "rms_norm_skip_gamma"):
+    if norm_type in ("rms_norm", "rms_norm_skip_gamma", "gemma_rms_norm"):
         x = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
         if norm_type == "rms_norm":
             x = x * gamma.to(d).reshape(-1)
+        elif norm_type == "gemma_rms_norm":
+            x = x * (1 + gamma.to(d).reshape(-1))
     elif norm_type == "layer_norm":
         mu = x.mean(-1, keepdim=True)
         x = (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps) * gamma.to(d).reshape(-1)

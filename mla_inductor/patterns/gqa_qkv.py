@@ -1,9 +1,10 @@
 """gqa_qkv: the attention input of MHA / GQA models into `mla::gqa_qkv`.
 
-transformers' LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer, from the residual stream to
-the rotated heads: the residual add of the previous block (`hidden = residual + mlp_out`, from the
-second layer on), the input RMSNorm, the q / k / v projections (Qwen2 with bias) viewed as heads,
-Qwen3's RMSNorm of each q and k head (q_norm, k_norm), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
+transformers' LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer / GemmaDecoderLayer /
+Gemma2DecoderLayer, from the residual stream to the rotated heads: the residual add of the previous
+block (`hidden = residual + mlp_out`, from the second layer on), the input RMSNorm (Gemma's: times
+1 + weight in fp32), the q / k / v projections (Qwen2 with bias) viewed as heads, Qwen3's RMSNorm of
+each q and k head (q_norm, k_norm), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
 the halves of cos/sin equal), so the search functions are written after it: the pass runs its
 patterns for another round. The KV-cache writes stay as the model writes them (StaticCache's
 `index_copy_` / `index_put`), reading k and v from the op's output.
@@ -31,6 +32,13 @@ def rms_norm(x, weight, eps):
     """LlamaRMSNorm / Qwen2RMSNorm (the cast pair vanishes from fp32 graphs)."""
     xf = x.to(torch.float32)
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def gemma_rms_norm(x, weight, eps):
+    """GemmaRMSNorm / Gemma2RMSNorm: scaled by 1 + weight in fp32, rounded once."""
+    output = x.float()
+    output = output * torch.rsqrt(output.pow(2).mean(-1, keepdim=True) + eps)
+    return (output * (1.0 + weight.float())).type_as(x)
 
 
 def _heads(h, weight, bias, d_head):
@@ -77,6 +85,18 @@ def qwen2_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight,
     return *qwen2(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps), x
 
 
+def gemma(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    """Gemma, Gemma-2: Llama's attention input after Gemma's RMSNorm."""
+    h = gemma_rms_norm(x, norm_weight, eps)
+    return _attention_input(h, q_weight, k_weight, v_weight, None, None, None, cos, sin)
+
+
+def gemma_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    """Gemma-2 adds its post-feedforward-normed MLP output: `mlp_out` is that norm's."""
+    x = residual + mlp_out
+    return *gemma(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps), x
+
+
 def qwen3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
     """One eps for the three norms, as Qwen3's config gives them (rms_norm_eps)."""
     h, d_head = rms_norm(x, norm_weight, eps), cos.shape[-1]
@@ -95,13 +115,13 @@ def qwen3_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight,
 
 
 def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps,
-           q_norm_weight=None, k_norm_weight=None):
+           q_norm_weight=None, k_norm_weight=None, norm_type="rms_norm"):
     batch, seq, d_head = x.shape[0], x.shape[1], cos.shape[-1]
     num_q_heads, num_kv_heads = q_weight.shape[0] // d_head, k_weight.shape[0] // d_head
     cos, sin = (t.expand(batch, 1, seq, d_head)[:, 0] for t in (cos, sin))
     out, residual = torch.ops.mla.gqa_qkv(
         x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, "NBSd", mlp_out is not None, mlp_out,
-        "rms_norm", norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
+        norm_type, norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
         eps,
     )
     # [heads, B, S, d] -> q, k, v as [B, heads, S, d] views, as the model's transposes give them
@@ -126,6 +146,16 @@ def qwen2_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bi
 def qwen2_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias,
                                cos, sin, eps):
     return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps)
+
+
+def gemma_replacement(x, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    return _fused(x, None, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps,
+                  norm_type="gemma_rms_norm")[:3]
+
+
+def gemma_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, cos, sin, eps):
+    return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps,
+                  norm_type="gemma_rms_norm")
 
 
 def qwen3_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
@@ -170,9 +200,11 @@ _FORMS = (  # the residual forms first: where both match, they fuse more
     (llama_residual, llama_residual_replacement),
     (qwen2_residual, qwen2_residual_replacement),
     (qwen3_residual, qwen3_residual_replacement),
+    (gemma_residual, gemma_residual_replacement),
     (llama, llama_replacement),
     (qwen2, qwen2_replacement),
     (qwen3, qwen3_replacement),
+    (gemma, gemma_replacement),
 )
 
 

@@ -140,7 +140,8 @@ def test_transformers_eager_decode_fires_per_layer_and_matches_eager(arch):
 
 def test_gemma2_static_cache_decode_compiled_runs_the_template_and_equals_eager():
     """Gemma-2 in bf16 through the backend: the softcapped template at every layer of both graphs
-    transformers' masks lead Dynamo to (a static and a dynamic cache length), greedy tokens as eager's."""
+    transformers' masks lead Dynamo to (a static and a dynamic cache length), and gqa_qkv after Gemma's
+    RMSNorm; greedy tokens as eager's."""
     model = tiny_model("gemma2", torch.bfloat16)
     model.config.attn_logit_softcapping = 5.0  # low enough to change the scores of this tiny model
     prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
@@ -163,6 +164,7 @@ def test_gemma2_static_cache_decode_compiled_runs_the_template_and_equals_eager(
     # Two graphs: the sliding-window mask reads the cache's length as an int, which the second step
     # makes dynamic (automatic dynamic shapes); the template serves both.
     assert mla_inductor.fusion_counts().get("gqa_decode") == 2 * model.config.num_hidden_layers
+    assert mla_inductor.fusion_counts().get("gqa_qkv") == 2 * model.config.num_hidden_layers  # Gemma's RMSNorm
     assert "mi::attend_split" in code[0] and "torch.ops.mla" not in code[0], "the template did not serve"
     assert torch.equal(tokens, expected_tokens)
     assert (logits.float() - expected_logits.float()).abs().max() < 0.1
