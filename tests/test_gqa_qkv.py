@@ -273,11 +273,13 @@ def test_template_three_weights_packed_under_freezing(freezing):
 
 
 class NormedHeads(ThreeLinears):
-    """Qwen3's attention input: each q and k head RMS-normalised by a weight of its own before RoPE."""
+    """Qwen3's attention input (Gemma-3's with `gemma`): each q and k head RMS-normalised by a weight of
+    its own before RoPE."""
 
-    def __init__(self, dtype):
+    def __init__(self, dtype, gemma=False):
         super().__init__(dtype, bias=False)
         self.q_norm, self.k_norm = (torch.nn.Parameter(torch.rand(D).to(dtype) + 0.5) for _ in range(2))
+        self.head_norm_type = "gemma_rms_norm" if gemma else "rms_norm"
 
     def forward(self, x, cos, sin):
         return self.project(x, cos, sin, self.q_norm, self.k_norm)
@@ -285,7 +287,7 @@ class NormedHeads(ThreeLinears):
     def project(self, x, cos, sin, q_norm, k_norm):
         return torch.ops.mla.gqa_qkv(x, self.q.weight, self.k.weight, self.v.weight, None, None, None, "BSD", False,
                                      None, "rms_norm", self.gamma, 1e-6, True, cos, sin, D, NQ, NKV, q_norm, k_norm,
-                                     1e-5)[0]
+                                     1e-5, self.head_norm_type)[0]
 
     def fp64(self, x, cos, sin):
         """Norm, GEMM, per-head norm and rotate_half in fp64, each step written out."""
@@ -294,16 +296,18 @@ class NormedHeads(ThreeLinears):
         heads = (h @ torch.cat([self.q.weight, self.k.weight, self.v.weight]).to(d).T).unflatten(-1, (-1, D))
         for first, end, w in ((0, NQ, self.q_norm), (NQ, NQ + NKV, self.k_norm)):
             t = heads[:, :, first:end]
-            heads[:, :, first:end] = t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-5) * w.to(d)
+            scale = w.to(d) + (1 if self.head_norm_type == "gemma_rms_norm" else 0)
+            heads[:, :, first:end] = t / torch.sqrt((t * t).mean(-1, keepdim=True) + 1e-5) * scale
         c, s = cos.to(d)[:, :, None], sin.to(d)[:, :, None]
         qk = heads[:, :, : NQ + NKV]
         heads[:, :, : NQ + NKV] = qk * c + torch.cat([-qk[..., D // 2:], qk[..., : D // 2]], -1) * s
         return heads.flatten(2)
 
 
-def test_template_normalises_each_q_and_k_head_as_qwen3():
+@pytest.mark.parametrize("gemma", [False, True], ids=["qwen3", "gemma3"])
+def test_template_normalises_each_q_and_k_head_as_the_model(gemma):
     for dtype, seq in ((torch.bfloat16, 1), (torch.float32, 3)):
-        module = NormedHeads(dtype).eval()
+        module = NormedHeads(dtype, gemma).eval()
         a = make_inputs(dtype, seed=seq, seq=seq)
         torch._dynamo.reset()
         with torch.no_grad():
@@ -320,9 +324,11 @@ def test_template_normalises_each_q_and_k_head_as_qwen3():
     (torch.ones(D), None, "mla::gqa_qkv: q_norm_weight and k_norm_weight come together"),
     (torch.ones(D), torch.ones(D + 1), r"k_norm_weight must be \[16\], got \[17\]"),
     (torch.ones(D, dtype=torch.bfloat16), torch.ones(D), "q_norm_weight has dtype torch.bfloat16, expected torch.float32"),
+    (torch.ones(D), torch.ones(D), "head_norm_type must be one of"),
 ])
 def test_head_norms_reject_bad_weights_naming_them(q_norm, k_norm, message):
     module, a = NormedHeads(torch.float32), make_inputs(torch.float32)
+    module.head_norm_type = "layer_norm" if "head_norm_type" in message else module.head_norm_type
     with pytest.raises(ValueError, match=message):
         module.project(a["input"], a["cos"], a["sin"], q_norm, k_norm)
 

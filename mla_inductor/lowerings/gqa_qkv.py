@@ -24,13 +24,13 @@ class QkvProjectionTemplate(FusedOpTemplate):
 
     def __init__(self, inputs: dict, segments: list, scales: list, layout: ir.Layout, segment_rows: list[int],
                  d_head: int, rotated_heads: int, output_layout: str, quantized: Optional[dict],
-                 head_norms: tuple[int, int, float]) -> None:
+                 head_norms: tuple[int, int, float, str]) -> None:
         named = {**{f"W{i}": w for i, w in enumerate(segments)}, **{f"WS{i}": s for i, s in enumerate(scales)}}
         super().__init__("mla_qkv_projection", {**inputs, **named}, layout)
         self.segments, self.scales, self.segment_rows = segments, scales, segment_rows
         self.d_head, self.rotated_heads, self.output_layout = d_head, rotated_heads, output_layout
         self.quantized = quantized  # segment_gemm.quantized_weights
-        self.num_q_heads, self.num_kv_heads, self.head_norm_eps = head_norms  # for QN, KN
+        self.num_q_heads, self.num_kv_heads, self.head_norm_eps, self.head_norm_type = head_norms  # for QN, KN
 
     def _quantized_options(self, kernel) -> dict:
         """quantize_x (the W8A8 scheme, or None) and weight_scales: per weight (scale input, nt_dot.h's
@@ -65,6 +65,7 @@ class QkvProjectionTemplate(FusedOpTemplate):
             num_q_heads=self.num_q_heads,
             normed_heads=self.num_q_heads + self.num_kv_heads,
             head_norm_eps=f"{float(self.head_norm_eps)!r}f",
+            gemma_head_norms=self.head_norm_type == "gemma_rms_norm",
             output_layout=self.output_layout,
         )
 
@@ -85,13 +86,14 @@ def _template_can_serve(x, weights, cos, weight_scales) -> bool:
 @L.register_lowering(OP, type_promotion_kind=None)
 def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout,
                          weight_scales=None, activation_quant="none", input_scale=None, q_norm_weight=None,
-                         k_norm_weight=None, head_norm_eps=1e-6):
+                         k_norm_weight=None, head_norm_eps=1e-6, head_norm_type="rms_norm"):
     args = (x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout)
     dims = guard_ints(dict(hidden=x.get_size()[-1]))
     if dims is None or not _template_can_serve(x, weights, cos_cache, weight_scales):
         return L.fallback_handler(OP, add_to_fallback_set=False)(
             *args, weight_scales=weight_scales, activation_quant=activation_quant, input_scale=input_scale,
-            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, head_norm_eps=head_norm_eps)
+            q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, head_norm_eps=head_norm_eps,
+            head_norm_type=head_norm_type)
     batch, seq, hidden = x.get_size()
     rows = batch * seq
     x2d = L.view(realize_input(x, contiguous=True), [rows, hidden])  # [B, S, H] rows: dense after realize
@@ -117,4 +119,4 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
     return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
-                                 output_layout, quantized, (num_q_heads, num_kv_heads, head_norm_eps)).select()
+                                 output_layout, quantized, (num_q_heads, num_kv_heads, head_norm_eps, head_norm_type)).select()

@@ -5,7 +5,7 @@ The features of the Neuron `qkv` kernel, where they make sense on a CPU, all aro
     x        = input (+ mlp_prev) (+ attention_prev)                  if fused_residual_add
     x        = norm(x)                RMSNorm, RMSNorm without gamma, LayerNorm, Gemma's RMSNorm, or none
     qkv      = x @ W (+ bias)         [B, S, I], I = (num_q_heads + 2 num_kv_heads) d_head
-    q, k     = RMSNorm of every q and k head by its own weight [d_head]   (gqa_qkv: Qwen3's q_norm, k_norm)
+    q, k     = RMSNorm of every q and k head by its own weight [d_head]   (gqa_qkv: Qwen3's, Gemma-3's)
     q, k     = rotate_half RoPE of every q and k head by cos/sin [B, S, d_head]   if fused_rope
     k_cache[slot], v_cache[slot] = k, v  (each [num_kv_heads d_head]), quantized to FP8 as
                                    clamp(k / k_scale) when the cache is float8_e4m3fn
@@ -219,7 +219,7 @@ def _has_heads(fused_rope, output_layout, k_cache) -> bool:
     schema="(Tensor x, Tensor[] weights, Tensor? bias, Tensor? cos_cache, Tensor? sin_cache, int d_head, "
            "int num_q_heads, int num_kv_heads, str output_layout, Tensor[]? weight_scales=None, "
            "str activation_quant='none', Tensor? input_scale=None, Tensor? q_norm_weight=None, "
-           "Tensor? k_norm_weight=None, float head_norm_eps=1e-06) -> Tensor",
+           "Tensor? k_norm_weight=None, float head_norm_eps=1e-06, str head_norm_type='rms_norm') -> Tensor",
 )
 def qkv_projection(
     x: Tensor,
@@ -237,6 +237,7 @@ def qkv_projection(
     q_norm_weight: Optional[Tensor] = None,
     k_norm_weight: Optional[Tensor] = None,
     head_norm_eps: float = 1e-6,
+    head_norm_type: str = "rms_norm",
 ) -> Tensor:
     """x [B, S, H] times the weights' rows ([N_i, H] each, concatenated) + bias, the q and k heads
     rotated when cos/sin are given, as [B, S, I] or [heads, B, S, d_head]. d_head is 0 when the
@@ -249,10 +250,11 @@ def qkv_projection(
     one fp32 `input_scale`). The GEMM runs in fp32 and its sum plus bias rounds once.
 
     With `q_norm_weight` / `k_norm_weight` ([d_head] each) every q and k head is RMS-normalised before
-    RoPE, as Qwen3's q_norm / k_norm do it: in fp32 from the rounded projection, rounded, then times
-    the weight in the input dtype."""
+    RoPE from the rounded projection, as Qwen3's q_norm / k_norm do it (`head_norm_type` "rms_norm":
+    rounded, then times the weight in the input dtype) or Gemma-3's ("gemma_rms_norm": times 1 + weight
+    in fp32, then rounded)."""
     _check_input_scale(activation_quant, input_scale)
-    _check_head_norms(_Fail("qkv_projection"), x, d_head, q_norm_weight, k_norm_weight)
+    _check_head_norms(_Fail("qkv_projection"), x, d_head, q_norm_weight, k_norm_weight, head_norm_type)
     if weight_scales is None:
         if activation_quant != "none":
             _Fail("qkv_projection")(f"activation_quant={activation_quant!r} needs quantized weights with weight_scales")
@@ -268,15 +270,20 @@ def qkv_projection(
     heads = out.view(B, S, -1, d_head)
     qk = num_q_heads + num_kv_heads
     if q_norm_weight is not None:
-        normed = [_norm(heads[:, :, :num_q_heads], "rms_norm", q_norm_weight, None, head_norm_eps),
-                  _norm(heads[:, :, num_q_heads:qk], "rms_norm", k_norm_weight, None, head_norm_eps)]
+        normed = [_norm(heads[:, :, :num_q_heads], head_norm_type, q_norm_weight, None, head_norm_eps),
+                  _norm(heads[:, :, num_q_heads:qk], head_norm_type, k_norm_weight, None, head_norm_eps)]
         heads = torch.cat([*normed, heads[:, :, qk:]], dim=2)
     if cos_cache is not None:
         heads = torch.cat([rotate_half_rope(heads[:, :, :qk], cos_cache, sin_cache), heads[:, :, qk:]], dim=2)
     return (heads.reshape(B, S, -1) if output_layout == "BSD" else heads.permute(2, 0, 1, 3)).contiguous()
 
 
-def _check_head_norms(fail, x, d_head, q_norm_weight, k_norm_weight) -> None:
+HEAD_NORM_TYPES = ("rms_norm", "gemma_rms_norm")
+
+
+def _check_head_norms(fail, x, d_head, q_norm_weight, k_norm_weight, head_norm_type) -> None:
+    if head_norm_type not in HEAD_NORM_TYPES:
+        fail(f"head_norm_type must be one of {HEAD_NORM_TYPES}, got {head_norm_type!r}")
     if (q_norm_weight is None) != (k_norm_weight is None):
         fail("q_norm_weight and k_norm_weight come together (Qwen3's q_norm and k_norm) or not at all")
     if q_norm_weight is None:
@@ -312,9 +319,10 @@ def _check_weight_scales(x, weights, weight_scales, activation_quant) -> None:
 
 @qkv_projection.register_fake
 def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads, output_layout, weight_scales=None,
-      activation_quant="none", input_scale=None, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6):
+      activation_quant="none", input_scale=None, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6,
+      head_norm_type="rms_norm"):
     _check_input_scale(activation_quant, input_scale)
-    _check_head_norms(_Fail("qkv_projection"), x, d_head, q_norm_weight, k_norm_weight)
+    _check_head_norms(_Fail("qkv_projection"), x, d_head, q_norm_weight, k_norm_weight, head_norm_type)
     if weight_scales is not None:
         _check_weight_scales(x, weights, weight_scales, activation_quant)
     out_features = sum(w.shape[0] for w in weights)
@@ -324,10 +332,10 @@ def _(x, weights, bias, cos_cache, sin_cache, d_head, num_q_heads, num_kv_heads,
 def _forward(fail, input, weights, output_layout, bias, fused_residual_add, mlp_prev, attention_prev,
              fused_norm_type, gamma_norm_weights, layer_norm_bias, norm_eps, fused_rope, cos_cache, sin_cache,
              d_head, num_q_heads, num_kv_heads, k_cache, v_cache, k_scale, v_scale, slot_mapping,
-             quantization=(None, "none", None), head_norms=(None, None, 1e-6)):
+             quantization=(None, "none", None), head_norms=(None, None, 1e-6, "rms_norm")):
     """Both composite ops, after their checks: `weights` are [N_i, H] rows; `quantization` is
     qkv_projection's (weight_scales, activation_quant, input_scale), `head_norms` its (q_norm_weight,
-    k_norm_weight, head_norm_eps)."""
+    k_norm_weight, head_norm_eps, head_norm_type)."""
     x, residual = input, input.new_empty(0)
     if fused_residual_add:
         for prev in (mlp_prev, attention_prev):
@@ -430,7 +438,7 @@ _LIB.define(
     "Tensor? v_bias, str output_layout, bool fused_residual_add, Tensor? mlp_prev, str fused_norm_type, "
     "Tensor? gamma_norm_weights, float norm_eps, bool fused_rope, Tensor? cos_cache, Tensor? sin_cache, "
     "int d_head, int num_q_heads, int num_kv_heads, Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, "
-    "float head_norm_eps=1e-06) -> (Tensor, Tensor)"
+    "float head_norm_eps=1e-06, str head_norm_type=\"rms_norm\") -> (Tensor, Tensor)"
 )
 
 
@@ -491,7 +499,7 @@ _GQA_FAIL = _Fail("gqa_qkv")
 
 def _check_gqa(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, output_layout, fused_residual_add,
                mlp_prev, fused_norm_type, gamma_norm_weights, norm_eps, fused_rope, cos_cache, sin_cache, d_head,
-               num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight):
+               num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, head_norm_type):
     weights = {"q_weight": q_weight, "k_weight": k_weight, "v_weight": v_weight}
     for name, w in weights.items():
         _check_tensor(_GQA_FAIL, name, w)
@@ -513,18 +521,18 @@ def _check_gqa(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, outp
                num_q_heads, num_kv_heads, None, None, None, None, False, None, None)
     if q_weight.shape[0] != num_q_heads * d_head:
         _GQA_FAIL(f"q_weight has {q_weight.shape[0]} rows, expected num_q_heads * d_head = {num_q_heads * d_head}")
-    _check_head_norms(_GQA_FAIL, input, d_head, q_norm_weight, k_norm_weight)
+    _check_head_norms(_GQA_FAIL, input, d_head, q_norm_weight, k_norm_weight, head_norm_type)
 
 
 @torch.library.impl(_LIB, "gqa_qkv", "CompositeImplicitAutograd")
 def gqa_qkv(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, output_layout, fused_residual_add, mlp_prev,
             fused_norm_type, gamma_norm_weights, norm_eps, fused_rope, cos_cache, sin_cache, d_head, num_q_heads,
-            num_kv_heads, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6):
+            num_kv_heads, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6, head_norm_type="rms_norm"):
     _check_gqa(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, output_layout, fused_residual_add,
                mlp_prev, fused_norm_type, gamma_norm_weights, norm_eps, fused_rope, cos_cache, sin_cache, d_head,
-               num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight)
+               num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, head_norm_type)
     bias = None if q_bias is None else torch.cat([q_bias, k_bias, v_bias])
     return _forward(_GQA_FAIL, input, [q_weight, k_weight, v_weight], output_layout, bias, fused_residual_add,
                     mlp_prev, None, fused_norm_type, gamma_norm_weights, None, norm_eps, fused_rope, cos_cache,
                     sin_cache, d_head, num_q_heads, num_kv_heads, None, None, None, None, None,
-                    head_norms=(q_norm_weight, k_norm_weight, head_norm_eps))
+                    head_norms=(q_norm_weight, k_norm_weight, head_norm_eps, head_norm_type))

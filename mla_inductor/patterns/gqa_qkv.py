@@ -1,10 +1,10 @@
 """gqa_qkv: the attention input of MHA / GQA models into `mla::gqa_qkv`.
 
 transformers' LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer / GemmaDecoderLayer /
-Gemma2DecoderLayer, from the residual stream to the rotated heads: the residual add of the previous
-block (`hidden = residual + mlp_out`, from the second layer on), the input RMSNorm (Gemma's: times
-1 + weight in fp32), the q / k / v projections (Qwen2 with bias) viewed as heads, Qwen3's RMSNorm of
-each q and k head (q_norm, k_norm), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
+Gemma2DecoderLayer / Gemma3DecoderLayer, from the residual stream to the rotated heads: the residual
+add of the previous block (`hidden = residual + mlp_out`, from the second layer on), the input RMSNorm
+(Gemma's: times 1 + weight in fp32), the q / k / v projections (Qwen2 with bias) viewed as heads, the
+RMSNorm of each q and k head (q_norm, k_norm: Qwen3's, Gemma-3's), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
 the halves of cos/sin equal), so the search functions are written after it: the pass runs its
 patterns for another round. The KV-cache writes stay as the model writes them (StaticCache's
 `index_copy_` / `index_put`), reading k and v from the op's output.
@@ -111,18 +111,33 @@ def qwen3_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight,
     return *qwen3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps), x
 
 
+def gemma3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
+    """Gemma-3: head norms as Qwen3's, but after the transpose, and every norm Gemma's."""
+    h, d_head = gemma_rms_norm(x, norm_weight, eps), cos.shape[-1]
+    q = _rotate(gemma_rms_norm(_heads(h, q_weight, None, d_head), q_norm_weight, eps), cos, sin)
+    k = _rotate(gemma_rms_norm(_heads(h, k_weight, None, d_head), k_norm_weight, eps), cos, sin)
+    return q, k, _heads(h, v_weight, None, d_head)
+
+
+def gemma3_residual(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos,
+                    sin, eps):
+    x = residual + mlp_out
+    return *gemma3(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps), x
+
+
 # --- replacements ---------------------------------------------------------------------------------
 
 
 def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, cos, sin, eps,
            q_norm_weight=None, k_norm_weight=None, norm_type="rms_norm"):
+    """mla::gqa_qkv for the model's pieces; Gemma's norms (`norm_type`) are its head norms' type too."""
     batch, seq, d_head = x.shape[0], x.shape[1], cos.shape[-1]
     num_q_heads, num_kv_heads = q_weight.shape[0] // d_head, k_weight.shape[0] // d_head
     cos, sin = (t.expand(batch, 1, seq, d_head)[:, 0] for t in (cos, sin))
     out, residual = torch.ops.mla.gqa_qkv(
         x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, "NBSd", mlp_out is not None, mlp_out,
         norm_type, norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
-        eps,
+        eps, norm_type,
     )
     # [heads, B, S, d] -> q, k, v as [B, heads, S, d] views, as the model's transposes give them
     q = out[:num_q_heads].transpose(0, 1)
@@ -169,6 +184,17 @@ def qwen3_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weigh
                   q_norm_weight, k_norm_weight)
 
 
+def gemma3_replacement(x, norm_weight, q_weight, k_weight, v_weight, q_norm_weight, k_norm_weight, cos, sin, eps):
+    return _fused(x, None, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps, q_norm_weight,
+                  k_norm_weight, norm_type="gemma_rms_norm")[:3]
+
+
+def gemma3_residual_replacement(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_norm_weight,
+                                k_norm_weight, cos, sin, eps):
+    return _fused(residual, mlp_out, norm_weight, q_weight, k_weight, v_weight, None, None, None, cos, sin, eps,
+                  q_norm_weight, k_norm_weight, norm_type="gemma_rms_norm")
+
+
 # --- preconditions --------------------------------------------------------------------------------
 
 
@@ -201,10 +227,12 @@ _FORMS = (  # the residual forms first: where both match, they fuse more
     (qwen2_residual, qwen2_residual_replacement),
     (qwen3_residual, qwen3_residual_replacement),
     (gemma_residual, gemma_residual_replacement),
+    (gemma3_residual, gemma3_residual_replacement),
     (llama, llama_replacement),
     (qwen2, qwen2_replacement),
     (qwen3, qwen3_replacement),
     (gemma, gemma_replacement),
+    (gemma3, gemma3_replacement),
 )
 
 

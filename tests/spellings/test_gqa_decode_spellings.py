@@ -122,9 +122,9 @@ def tiny_model(arch: str, dtype: torch.dtype, layers: int = 2):
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(dtype).eval()
 
 
-# Gemma-2: softcapped logits, a sliding window on every other layer; Qwen3: norms on q and k per head;
-# Llama: the plain form.
-@pytest.mark.parametrize("arch", ["gemma2", "qwen3", "llama"])
+# Gemma-2: softcapped logits, a sliding window on every other layer; Qwen3 and Gemma-3: norms on q and k
+# per head (gqa_qkv takes them); Llama: the plain form.
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3", "gemma3_text", "llama"])
 def test_transformers_eager_decode_fires_per_layer_and_matches_eager(arch):
     model = tiny_model(arch, torch.float32)
     cache = transformers.StaticCache(config=model.config, max_cache_len=32)
@@ -135,6 +135,7 @@ def test_transformers_eager_decode_fires_per_layer_and_matches_eager(arch):
         expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=pos).logits
     out, events = rewrite_and_run(lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits, ids, pos)
     assert fired(events, "gqa_decode") == model.config.num_hidden_layers, declined(events, "gqa_decode")
+    assert fired(events, "gqa_qkv") == model.config.num_hidden_layers, declined(events, "gqa_qkv")
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
