@@ -100,6 +100,12 @@ def record_decision(fusion: str, nodes, stage: str, reason: Optional[str]) -> No
         _events.append(Event(fusion, module_path(nodes), nodes[-1].name, stage, reason))
 
 
+class NotACandidate(str):
+    """A check's reason for a match that is no candidate at all: a pattern whose branches are alike (the
+    q and k projections) also matches with them bound the other way round. Rejected without a record,
+    so that explain() does not list a near miss where the fusion fired."""
+
+
 def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) -> Callable[[Match], bool]:
     """Turn `check(match) -> reason | None` into an `extra_check` that records and counts."""
 
@@ -107,6 +113,8 @@ def checked(fusion: str, stage: str, check: Callable[[Match], Optional[str]]) ->
         if not mla_config.active().enabled(fusion):
             return False
         reason = check(match)
+        if isinstance(reason, NotACandidate):
+            return False
         output = match.output_node()
         _events.append(Event(fusion, module_path(match.nodes), output.name, stage, reason))
         if reason is None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch._inductor.pattern_matcher import Match
 
 from ..lowerings.segment_gemm import template_wins
+from ..record import NotACandidate
 from .quantized_linear import decline_reason, int8_weight_only, on_amx_tiles
 from .registry import node_value, register_fusion, size_hint
 
@@ -202,6 +203,8 @@ def check(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
     x = kw.get("x", kw.get("residual"))
     cos, q_weight, k_weight = kw["cos"], kw["q_weight"], kw["k_weight"]
+    if q_weight.shape[0] < k_weight.shape[0]:  # fewer query than key heads: the k branch bound as q
+        return NotACandidate("the q and k projections bound the other way round")
     weights = {name: match.kwargs[name] for name in ("q_weight", "k_weight", "v_weight")}
     quantized = decline_reason(weights, per_channel_only=True)
     if quantized:

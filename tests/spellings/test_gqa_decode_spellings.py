@@ -136,6 +136,7 @@ def test_transformers_eager_decode_fires_per_layer_and_matches_eager(arch):
     out, events = rewrite_and_run(lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits, ids, pos)
     assert fired(events, "gqa_decode") == model.config.num_hidden_layers, declined(events, "gqa_decode")
     assert fired(events, "gqa_qkv") == model.config.num_hidden_layers, declined(events, "gqa_qkv")
+    assert declined(events, "gqa_qkv") == []  # nor the q and k projections bound the other way round
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
