@@ -62,9 +62,11 @@ TIMING_BUDGET_S = 120.0
 @dataclasses.dataclass(frozen=True)
 class LlamaShape:
     """A Llama-3-8B-shaped transformers LlamaForCausalLM (GQA: 32 query heads, 8 key/value heads of 128)
-    for the gqa_qkv fusion; each layer holds 436 MiB of bf16 weights, MLP included."""
+    for the gqa_qkv fusion; each layer holds 436 MiB of bf16 weights, MLP included. `family` "qwen3"
+    makes it a Qwen3ForCausalLM (a norm per q and k head)."""
 
     name: str = "llama-3-8b"
+    family: str = "llama"
     hidden_size: int = 4096
     num_heads: int = 32
     num_kv_heads: int = 8
@@ -76,11 +78,12 @@ class LlamaShape:
 
 TINY_LLAMA = LlamaShape(name="tiny-llama", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                         intermediate_size=512, vocab_size=512)
+QWEN3 = LlamaShape(name="qwen3-8b", family="qwen3", intermediate_size=12288)  # Qwen3-8B's attention shape
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str  # "serving", "hf" (transformers DeepseekV3) or "llama" (transformers Llama)
+    model: str  # "serving", "hf" (transformers DeepseekV3), "llama" or "qwen3" (transformers Llama, Qwen3)
     phase: str  # "decode" or "prefill"
     batch: int
     context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
@@ -219,14 +222,16 @@ def _fill_static_cache(model, case: Case, gen) -> tuple[Callable, Callable[[], N
 def llama_workload(shape: LlamaShape, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
     import transformers
 
-    config = transformers.LlamaConfig(
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[shape.family]
+    config = config_cls(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
         num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_heads,
         num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim, max_position_embeddings=8192,
         rope_theta=500000.0,
     )
     torch.manual_seed(seed)
-    model = quantized(transformers.LlamaForCausalLM(config).to(dtype).eval(), case.quant)
+    model = quantized(model_cls(config).to(dtype).eval(), case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
     linear = _matmul_weight_elements(model)
@@ -282,7 +287,7 @@ def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
 ) -> dict:
-    build = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload}[case.model]
+    build = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "qwen3": llama_workload}[case.model]
     workload = build(config, case, dtype)
     fns, counts = {}, {}
     for variant in variants:
@@ -378,7 +383,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
-    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "all"), default=["all"])
+    # all: the DeepSeek models and Llama; Qwen3 (gqa_qkv with head norms) when named
+    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "qwen3", "all"), default=["all"])
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
@@ -402,12 +408,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def build_cases(args: argparse.Namespace) -> list[Case]:
-    models = ("serving", "hf", "llama") if "all" in args.model else tuple(args.model)
+    every = ("serving", "hf", "llama") if "all" in args.model else ()
+    models = tuple(dict.fromkeys(every + tuple(m for m in args.model if m != "all")))
     if args.quant != "none":
-        unquantized = {"int8": "serving", "w8a8": None, "fp8": "llama"}[args.quant]  # models without this form
-        if unquantized in args.model:
-            raise SystemExit(f"--quant {args.quant}: the {unquantized} model has no such form")
-        models = tuple(m for m in models if m != unquantized)
+        unquantized = {"int8": ("serving",), "w8a8": (), "fp8": ("llama", "qwen3")}[args.quant]  # no such form
+        for model in unquantized:
+            if model in args.model:
+                raise SystemExit(f"--quant {args.quant}: the {model} model has no such form")
+        models = tuple(m for m in models if m not in unquantized)
     phases = ("decode", "prefill") if args.phase == "all" else (args.phase,)
     cases = []
     for model in models:
@@ -420,9 +428,10 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> MLAConfig | LlamaShape:
-    if model == "llama":  # two layers hold 872 MiB already
-        shape = TINY_LLAMA if args.quick else LlamaShape(vocab_size=args.vocab)
-        return dataclasses.replace(shape, num_layers=args.layers or 2)
+    if model in ("llama", "qwen3"):  # two layers hold 872 MiB already
+        shape = TINY_LLAMA if args.quick else dataclasses.replace(QWEN3 if model == "qwen3" else LlamaShape(),
+                                                                  vocab_size=args.vocab)
+        return dataclasses.replace(shape, num_layers=args.layers or 2, family=model)
     if args.quick:
         return get_config("tiny")
     config = get_config(args.serving_config if model == "serving" else args.hf_config, vocab_size=args.vocab)

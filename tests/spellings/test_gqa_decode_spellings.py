@@ -43,6 +43,22 @@ def test_spelling_fires_with_dynamic_batch_and_rows(name):
     torch.testing.assert_close(out, gd.SPELLINGS[name](*args), atol=1e-5, rtol=1e-5)
 
 
+def _scale_argument(query, key, value, mask, scale):
+    k, v = gd.repeat_kv(key, gd.GROUP), gd.repeat_kv(value, gd.GROUP)
+    return torch.softmax(query @ k.transpose(-1, -2) * scale + mask, -1) @ v
+
+
+def test_a_float_scale_that_dynamo_passes_as_a_tensor_is_folded_into_the_query():
+    """Under dynamic=True a float argument (a module's softmax scale) reaches the graph as a 0-d tensor."""
+    x = gd.make_inputs(torch.float32)
+    args = (x.query, x.key, x.value, x.additive_mask(), 0.3)
+    out, events = rewrite_and_run(_scale_argument, *args, dynamic=True)
+    assert fired(events, "gqa_decode") == 1, declined(events, "gqa_decode")
+    assert any(n.target is torch.ops.aten.mul.Tensor and isinstance(n.args[1], torch.fx.Node)
+               and n.args[1].meta["val"].dim() == 0 for n in rewrite_and_run.graph.nodes)
+    torch.testing.assert_close(out, _scale_argument(*args), atol=1e-5, rtol=1e-5)
+
+
 def test_reference_is_independent_of_the_spellings():
     """reference_fp64 against the op's own reference (SDPA on the packed query) at fp32."""
     x = gd.make_inputs(torch.float32)
