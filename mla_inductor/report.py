@@ -287,7 +287,8 @@ def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
 ) -> dict:
-    build = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "qwen3": llama_workload}[case.model]
+    builders = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "qwen3": llama_workload}
+    build = builders[case.model]
     workload = build(config, case, dtype)
     fns, counts = {}, {}
     for variant in variants:

@@ -111,12 +111,13 @@ def lower_qkv_projection(x, weights, bias, cos_cache, sin_cache, d_head, num_q_h
         "COS": as_rows(cos_cache),
         "SIN": as_rows(sin_cache),
         "XS": realize_input(input_scale, contiguous=True),  # fp8_static's activation scale
-        "QN": realize_input(q_norm_weight, contiguous=True),  # Qwen3's q_norm / k_norm: [d_head] each
+        "QN": realize_input(q_norm_weight, contiguous=True),  # Qwen3's, Gemma-3's q_norm / k_norm: [d_head]
         "KN": realize_input(k_norm_weight, contiguous=True),
     }
     out_features = sum(segment_rows)
     size = [batch, seq, out_features] if output_layout == "BSD" else [out_features // d_head, batch, seq, d_head]
     layout = ir.FixedLayout(x.get_device(), x.get_dtype(), size)
     rotated_heads = num_q_heads + num_kv_heads if cos_cache is not None else 0
+    head_norms = (num_q_heads, num_kv_heads, head_norm_eps, head_norm_type)
     return QkvProjectionTemplate(inputs, segments, scales, layout, segment_rows, d_head, rotated_heads,
-                                 output_layout, quantized, (num_q_heads, num_kv_heads, head_norm_eps, head_norm_type)).select()
+                                 output_layout, quantized, head_norms).select()

@@ -146,7 +146,8 @@ def softcap_of(n) -> Optional[float]:
 
 
 def is_scalar_tensor(arg) -> bool:
-    return isinstance(arg, torch.fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor) and arg.meta["val"].dim() == 0
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 0
 
 
 def scale_by_tensors(emit: Emitter, x: torch.fx.Node, logits: Logits) -> torch.fx.Node:
@@ -159,8 +160,11 @@ def scale_by_tensors(emit: Emitter, x: torch.fx.Node, logits: Logits) -> torch.f
 def is_score_sum(n) -> bool:
     """Whether n is (a scaled sum of) contraction results, through layout ops and casts."""
     aten, prims = torch.ops.aten, torch.ops.prims
-    while node_is(n, prims.convert_element_type.default, aten.tanh.default) or (
-            node_is(n, aten.mul.Tensor, aten.div.Tensor) and (scalar(n.args[1]) is not None or is_scalar_tensor(n.args[1]))):
+    def scaled(n) -> bool:
+        return node_is(n, aten.mul.Tensor, aten.div.Tensor) and (
+            scalar(n.args[1]) is not None or is_scalar_tensor(n.args[1]))
+
+    while node_is(n, prims.convert_element_type.default, aten.tanh.default) or scaled(n):
         n = n.args[0]
     if node_is(n, aten.add.Tensor):
         return all(isinstance(a, torch.fx.Node) and is_score_sum(a) for a in n.args[:2])

@@ -4,9 +4,10 @@ transformers' LlamaDecoderLayer / Qwen2DecoderLayer / Qwen3DecoderLayer / GemmaD
 Gemma2DecoderLayer / Gemma3DecoderLayer, from the residual stream to the rotated heads: the residual
 add of the previous block (`hidden = residual + mlp_out`, from the second layer on), the input RMSNorm
 (Gemma's: times 1 + weight in fp32), the q / k / v projections (Qwen2 with bias) viewed as heads, the
-RMSNorm of each q and k head (q_norm, k_norm: Qwen3's, Gemma-3's), and rotate_half RoPE of q and k. The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves
-the halves of cos/sin equal), so the search functions are written after it: the pass runs its
-patterns for another round. The KV-cache writes stay as the model writes them (StaticCache's
+RMSNorm of each q and k head (q_norm, k_norm: Qwen3's, Gemma-3's), and rotate_half RoPE of q and k.
+The rope fusion has by then made both rotations `mla::apply_rope(.., "neox")` (it proves the halves
+of cos/sin equal), so the search functions are written after it: the pass runs its patterns for
+another round. The KV-cache writes stay as the model writes them (StaticCache's
 `index_copy_` / `index_put`), reading k and v from the op's output.
 """
 

@@ -567,7 +567,7 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         tables = lat_read.tables
     lens = emit(aten.full.default, [batch], lat_read.rows, dtype=torch.int64,
                 device=lat_read.cache.meta["val"].device, pin_memory=False)
-    mask = mask_argument(emit, cand.logits, cand.terms[0].scores_roles, batch, lat_read.rows)
+    mask = mask_argument(emit, cand.logits, latent.scores_roles, batch, lat_read.rows)
 
     w_vc = None
     if cand.w_vc is not None:

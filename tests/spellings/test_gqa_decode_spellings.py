@@ -145,11 +145,13 @@ def test_transformers_eager_decode_fires_per_layer_and_matches_eager(arch):
     model = tiny_model(arch, torch.float32)
     cache = transformers.StaticCache(config=model.config, max_cache_len=32)
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1)), past_key_values=cache)
+        prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+        model(input_ids=prompt, past_key_values=cache)
     ids, pos = torch.tensor([[3], [5]]), torch.full((2, 1), 6)
     with torch.no_grad():
         expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=pos).logits
-    out, events = rewrite_and_run(lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits, ids, pos)
+    step = lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits  # noqa: E731
+    out, events = rewrite_and_run(step, ids, pos)
     assert fired(events, "gqa_decode") == model.config.num_hidden_layers, declined(events, "gqa_decode")
     assert fired(events, "gqa_qkv") == model.config.num_hidden_layers, declined(events, "gqa_qkv")
     assert declined(events, "gqa_qkv") == []  # nor the q and k projections bound the other way round
