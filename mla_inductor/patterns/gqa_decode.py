@@ -22,6 +22,7 @@ StaticCache's unfilled tail), or, where the template cannot serve, SDPA of the p
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -186,7 +187,8 @@ def _score_roles(c: contraction.Contraction, query_is_a: bool) -> dict:
 def _cache_view(emit: Emitter, operand: contraction.Operand, factor_roles: dict, order: tuple) -> torch.fx.Node:
     """The tensor a cache operand reads, as a view of dims `order` (a role the operand lacks: a dim of 1).
     Each dim of its origin must be read in order as one role (a slice of it at most), or not at all (a
-    select, or a dim of 1)."""
+    select, or a dim of 1). The rows may span adjacent dims read whole (a paged cache gathered by a
+    block table: [batch, blocks, block_size, ...]), which are merged."""
     origin, layout = operand.origin, operand.layout
     sizes = contraction.shape(origin)
     view, dim_roles = origin, {}
@@ -201,13 +203,23 @@ def _cache_view(emit: Emitter, operand: contraction.Operand, factor_roles: dict,
         if len(factors) > 1 or not same(factors[0].stride, 1):
             raise Decline(f"the cache's dim {dim} is not read in order as one dim")
         (f,) = factors
-        if not (same(start, 0) and same(f.size, sizes[dim])):
+        whole = same(start, 0) and same(f.size, sizes[dim])
+        if not whole:
             view = emit(aten.slice.Tensor, view, dim, start, start + f.size)
-        dim_roles[dim] = factor_roles[f]
-    present = [dim_roles[d] for d in sorted(dim_roles)]
-    if sorted(present) != sorted(r for r in order if r in present):
+        dim_roles[dim] = factor_roles[f], whole
+    dims = sorted(dim_roles)
+    present = [dim_roles[d][0] for d in dims]
+    rows = [d for d in dims if dim_roles[d][0] == "rows"]
+    if not rows or rows != list(range(rows[0], rows[0] + len(rows))) or not all(dim_roles[d][1] for d in rows[1:]):
+        raise Decline("the cache's rows are not one run of its dims (adjacent, the inner ones whole)")
+    if len(set(present)) != len(present) - len(rows) + 1 or not set(present) <= set(order):
         raise Decline("the cache's dims do not hold one request, key/value head, row and column each")
-    view = emit(aten.permute.default, view, [present.index(r) for r in order if r in present])
+    view = emit(aten.permute.default, view, [i for role in order for i, r in enumerate(present) if r == role])
+    if len(rows) > 1:  # merged into one dim of rows
+        permuted = [r for role in order for r in present if r == role]
+        shape = contraction.shape(view)
+        view = emit(aten.reshape.default, view, [math.prod(n for n, r in zip(shape, permuted) if r == role)
+                                                 for role in order if role in present])
     for i, role in enumerate(order):
         if role not in present:
             view = emit(aten.unsqueeze.default, view, i)
@@ -278,9 +290,20 @@ def _cache_factors(c: contraction.Contraction, of_a: bool, roles: dict) -> dict:
     return factors
 
 
+def _role_sizes(c: contraction.Contraction, roles: dict) -> dict:
+    """Role -> its extent: the product of its axes' sizes (a request or key/value head absent: 1)."""
+    sizes = {"request": 1, "kv_head": 1}
+    for role in set(roles.values()):
+        sizes[role] = math.prod(size for axis, (_, _, size) in c.axes.items() if roles[axis] == role)
+    return sizes
+
+
 def _starts(operand: contraction.Operand, factor_roles: dict) -> dict:
-    """Role -> where its dim is read from in the operand's origin."""
-    return {role: operand.layout.offsets.get(f.label, 0) for f, role in factor_roles.items()}
+    """Role -> where each of its dims is read from in the operand's origin, outer dims first."""
+    starts = {}
+    for f, role in sorted(factor_roles.items(), key=lambda item: item[0].label):
+        starts.setdefault(role, []).append(operand.layout.offsets.get(f.label, 0))
+    return starts
 
 
 def rewrite_grouped_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
@@ -295,17 +318,16 @@ def rewrite_grouped_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
     value_factors = _cache_factors(value, not cand.probs_is_a, value_roles)
     if "group" in value_factors.values():
         raise Decline("the values differ between the query heads of a group")
-    sizes = {"request": 1, "kv_head": 1}
-    for axis, role in roles.items():
-        sizes[role] = scores.axes[axis][2]
-    sizes["value_column"] = next(s for a, (_, _, s) in value.axes.items() if value_roles[a] == "value_column")
-    for role in ("request", "kv_head", "rows"):
-        in_values = [s for a, (_, _, s) in value.axes.items() if value_roles[a] == role]
-        if in_values and not same(in_values[0], sizes[role]):
-            raise Decline(f"P.V reads another number of {role.replace('_', ' ')}s than the scores")
+    sizes = {**_role_sizes(scores, roles), "value_column": _role_sizes(value, value_roles)["value_column"]}
+    value_sizes = _role_sizes(value, value_roles)
+    for role, name in (("request", "requests"), ("kv_head", "key/value heads"), ("rows", "rows")):
+        if role in value_sizes and not same(value_sizes[role], sizes[role]):
+            raise Decline(f"P.V reads another number of {name} than the scores")
     key_starts, value_starts = _starts(key_operand, key_factors), _starts(value_operand, value_factors)
-    if any(not same(key_starts.get(r, 0), value_starts.get(r, 0)) for r in ("request", "kv_head", "rows")):
-        raise Decline("P.V reads other rows than the scores")
+    for role in ("request", "kv_head", "rows"):
+        k_starts, v_starts = key_starts.get(role, []), value_starts.get(role, [])
+        if len(k_starts) != len(v_starts) or not all(same(a, b) for a, b in zip(k_starts, v_starts)):
+            raise Decline("P.V reads other rows than the scores")
 
     batch, heads = sizes["request"], sizes["kv_head"] * sizes["group"]
     end, out_layout, _ = value.result()

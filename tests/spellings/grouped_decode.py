@@ -4,8 +4,8 @@ the attention output in the layout its model goes on with.
 
 The spellings are drawn from transformers' `eager_attention_forward` (repeat_kv, matmul, an additive
 mask, softmax in fp32 and back; Gemma-2's logit softcap), and from the ways serving code writes the
-same step: the query split into key/value heads x groups over caches [B, T, kv_heads, d], einsum or
-`@`, `repeat_interleave` or a `repeat` that tiles the heads the other way round, the mask by
+same step: the query split into key/value heads x groups over caches [B, T, kv_heads, d] or over
+pages gathered by a block table, einsum or `@`, `repeat_interleave` or a `repeat` that tiles the heads the other way round, the mask by
 masked_fill or where, the scale on the scores or as a division, multi-query attention (one key/value
 head).
 """
@@ -20,6 +20,7 @@ import torch
 HEADS, KV_HEADS, HEAD_DIM, V_DIM = 6, 2, 16, 8
 GROUP = HEADS // KV_HEADS
 ROWS = 24  # the cache's rows; requests use their first seq_lens
+BLOCK_SIZE = 4  # paged_gather's pages
 SEQ_LENS = (5, 17, 24)
 SCALE = HEAD_DIM**-0.5
 SOFTCAP = 0.7  # small enough that the cap changes the probabilities
@@ -110,6 +111,17 @@ def packed_heads_token_major(query, key_nhd, value_nhd, seq_lens):
     return torch.einsum("bkgt,btkd->bkgd", probs, value_nhd).reshape(batch, HEADS * V_DIM)
 
 
+def paged_gather(query, key_pages, value_pages, block_tables, seq_lens):
+    """Serving style over paged caches [blocks, block_size, kv_heads, d]: each request's pages gathered by
+    its block table, then the packed heads' einsums."""
+    batch = query.shape[0]
+    k, v = key_pages[block_tables].flatten(1, 2), value_pages[block_tables].flatten(1, 2)  # [B, rows, kv, d]
+    q = query.reshape(batch, KV_HEADS, GROUP, HEAD_DIM)
+    scores = torch.einsum("bkgd,btkd->bkgt", q, k) * SCALE
+    scores = scores.masked_fill(~valid_rows(seq_lens)[:, None, None, :], float("-inf"))
+    return torch.einsum("bkgt,btkd->bkgd", scores.softmax(-1), v).reshape(batch, HEADS * V_DIM)
+
+
 def tiled_heads(query, key, value, attention_mask):
     """`repeat` tiles the key/value heads: query head h reads key/value head h % kv_heads (a model trained
     so); `@`; the scale on the query."""
@@ -128,7 +140,8 @@ def multi_query(query, key, value, seq_lens):
 
 
 SPELLINGS = {fn.__name__: fn for fn in (
-    transformers_eager, gemma2_softcap, repeat_interleave_einsum, packed_heads_token_major, tiled_heads, multi_query,
+    transformers_eager, gemma2_softcap, repeat_interleave_einsum, packed_heads_token_major, paged_gather, tiled_heads,
+    multi_query,
 )}
 
 
@@ -141,6 +154,18 @@ def spelling_args(name: str, inputs: Inputs) -> tuple:
     x = inputs
     if name == "packed_heads_token_major":
         return x.query.squeeze(2), x.key.transpose(1, 2).contiguous(), x.value.transpose(1, 2).contiguous(), x.seq_lens
+    if name == "paged_gather":  # the rows of x's caches in pages, in shuffled order, two pages unused
+        blocks = x.batch * ROWS // BLOCK_SIZE
+        order = torch.randperm(blocks + 2, generator=torch.Generator().manual_seed(1))[:blocks]
+        tables = order.view(x.batch, -1)
+
+        def pages(cache):
+            per_block = cache.transpose(1, 2).reshape(blocks, BLOCK_SIZE, *cache.shape[1:2], cache.shape[-1])
+            out = torch.zeros(blocks + 2, *per_block.shape[1:], dtype=cache.dtype)
+            out[order] = per_block
+            return out
+
+        return x.query.squeeze(2), pages(x.key), pages(x.value), tables, x.seq_lens
     if name in ("repeat_interleave_einsum", "multi_query"):
         return x.query, x.key, x.value, x.seq_lens
     return x.query, x.key, x.value, x.additive_mask()
@@ -171,7 +196,7 @@ def reference_fp64(inputs: Inputs, name: str) -> torch.Tensor:
             out[b, h] = torch.softmax(scores, 0) @ x.value[b, kv, :n].double()
     if name in ("transformers_eager", "gemma2_softcap"):
         return out[:, None]  # [B, 1, H, v]
-    if name == "packed_heads_token_major":
+    if name in ("packed_heads_token_major", "paged_gather"):
         return out.reshape(x.batch, HEADS * V_DIM)
     if name == "multi_query":
         return out
