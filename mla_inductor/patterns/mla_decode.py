@@ -296,8 +296,10 @@ def register() -> None:
 # --- anchored match: the math of latent attention, however it is spelled ----------------------------
 #
 # The patterns above match the text of two spellings. The walk below matches the math: it anchors on a
-# softmax over the last dim, reads its logits as (a sum of contractions) x scale (+ mask), and reads
-# every contraction as an einsum over the tensors it reads (contraction.py). It fires where
+# softmax over the last dim, reads its logits as (a sum of contractions) x scale (+ mask)
+# (attention_scores.py, shared with gqa_decode's anchored match), and reads every contraction as an
+# einsum over the tensors it reads (contraction.py). Attention whose values are not read from the
+# keys' tensor is no candidate here (grouped-query or multi-head: gqa_decode's). It fires where
 #   - one operand of each score contraction reads a latent cache (a dense [batch, rows, columns]
 #     buffer, or rows gathered by a block table or a per-token index) and the other the queries, with
 #     one query row per request and head;
