@@ -44,9 +44,8 @@ class QkvProjectionTemplate(FusedOpTemplate):
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
         rope = ("rope.h",) if self.inputs["COS"] is not None else ()
-        norm = ("rms_norm.h",) if self.inputs["QN"] is not None else ()
         quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
-        return ("widen.h", "nt_dot.h") + quantized + packed + norm + rope
+        return ("widen.h", "nt_dot.h") + quantized + packed + rope
 
     def options(self, kernel) -> dict:
         x = self.inputs["X"]

@@ -318,8 +318,8 @@ def rewrite_grouped_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
     value_factors = _cache_factors(value, not cand.probs_is_a, value_roles)
     if "group" in value_factors.values():
         raise Decline("the values differ between the query heads of a group")
-    sizes = {**_role_sizes(scores, roles), "value_column": _role_sizes(value, value_roles)["value_column"]}
     value_sizes = _role_sizes(value, value_roles)
+    sizes = {**_role_sizes(scores, roles), "value_column": value_sizes["value_column"]}
     for role, name in (("request", "requests"), ("kv_head", "key/value heads"), ("rows", "rows")):
         if role in value_sizes and not same(value_sizes[role], sizes[role]):
             raise Decline(f"P.V reads another number of {name} than the scores")

@@ -492,13 +492,39 @@ inline float quantize_row(const T* x, int64_t K, QuantizedRow<scheme>* q, float 
   }
 }
 
+// 1 / sqrt(mean(x^2) + eps) of an fp32 row.
+inline float inverse_rms(const float* row, int64_t n, float eps) {
+  float sum_sq = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum_sq += row[i] * row[i];
+  return 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+}
+
 // RMSNorm of one fp32 row into the output dtype, rounding once: y = x * rsqrt(mean(x^2) + eps) * weight.
 template <typename T>
 inline void rms_norm_row(const float* row, int64_t n, const T* weight, float eps, T* out) {
-  float sum_sq = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum_sq += row[i] * row[i];
-  const float scale = 1.f / std::sqrt(sum_sq / static_cast<float>(n) + eps);
+  const float scale = inverse_rms(row, n, eps);
   for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(row[i] * scale * static_cast<float>(weight[i]));
+}
+
+// The same for one attention head in the projection's fp32 epilogue (gqa_qkv.cpp.j2: Qwen3's and
+// Gemma-3's q_norm and k_norm), rounded where transformers rounds, so that the fused output equals
+// eager's: x rounded to T (the Linear's output), normalised in fp32, then either rounded to T, times the
+// weight, rounded to T (Llama's and Qwen3's RMSNorm), or, GEMMA, times 1 + weight in fp32 and rounded
+// once (Gemma's). The results go back into x as floats (each a T value) for the RoPE and the store that
+// follow. A head is a few hundred values a token: the scalar loops cost nothing next to the GEMM's
+// weight stream.
+template <bool GEMMA, typename T>
+inline void rms_norm_head(float* x, const T* weight, int64_t n, float eps) {
+  for (int64_t i = 0; i < n; ++i) x[i] = static_cast<float>(static_cast<T>(x[i]));
+  const float scale = inverse_rms(x, n, eps);
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = static_cast<float>(weight[i]);
+    if constexpr (GEMMA) {
+      x[i] = static_cast<float>(static_cast<T>(x[i] * scale * (1.f + w)));
+    } else {
+      x[i] = static_cast<float>(static_cast<T>(w * static_cast<float>(static_cast<T>(x[i] * scale))));
+    }
+  }
 }
 
 }  // namespace mla_inductor
