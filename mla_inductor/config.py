@@ -22,6 +22,7 @@ FUSIONS = (
     "qkv_proj_with_rope",
     "gqa_qkv",
     "gqa_decode",
+    "linear",
 )
 
 OPTION_PREFIX = "mla_inductor."

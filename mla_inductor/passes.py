@@ -8,7 +8,8 @@ Each stage has its own PatternMatcherPass because patterns are traced differentl
 SourceKey, a pass that does nothing, keys Inductor's FX-graph cache on the package's sources for every
 compile of the process, the stock backend's included.
 Quantized Linears are given one canonical form first and their spelling back after the fusions
-(patterns/quantized_linear.py).
+(patterns/quantized_linear.py). The bf16 Linears left after all of that become mla::linear where bf16
+GEMMs are emulated (patterns/linear.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import config as mla_config
 from . import record
-from .patterns import STAGES, count_whole_chains, merge_into_qkv_a_proj, pattern_pass, quantized_linear, register_all
+from .patterns import (STAGES, count_whole_chains, linear, merge_into_qkv_a_proj, pattern_pass, quantized_linear,
+                       register_all)
 from .patterns.registry import apply_anchored_rewrites, canonical_gemm_splits
 
 _MAX_ROUNDS = 3
@@ -99,6 +101,8 @@ class MLAPass(CustomGraphPass):
             quantized_linear.fold(graph)
             quantized_linear.restore(graph)
         changed = quantized_linear.int_mm_rows_with_a_row_stride(graph) > 0 or changed
+        if self.config.enabled(linear.FUSION):  # last: it takes only what no other fusion took
+            changed = linear.rewrite_linears(graph, self.stage) > 0 or changed
         if changed:
             # A multi-output replacement is inserted before the earliest output of its match, which
             # may precede an input defined between the outputs (a lifted eps' cast, say).

@@ -131,13 +131,16 @@ class TwoLinears(torch.nn.Module):
 
 def test_concat_linear_kept_only_where_bf16_gemms_are_native():
     """Without a native bf16 GEMM the concatenated [K, N] bf16 weight runs ATen's scalar fallback
-    (~80x slower), so the backend leaves those linears apart there; elsewhere the option holds."""
+    (~80x slower), so the backend leaves those linears apart there; elsewhere the option holds. (With
+    the linear fusion on, such linears are mla::linear there and no concatenation sees them.)"""
     module = TwoLinears().to(torch.bfloat16).eval()
     x = torch.randn(3, 64).to(torch.bfloat16)
     options = {"freezing": True, "cpp.enable_concat_linear": True}
     torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(options):
-        (a, b), (code,) = run_and_get_code(torch.compile(module, backend="mla_inductor", options=options), x)
+        compiled = torch.compile(module, backend="mla_inductor",
+                                 options={**options, "mla_inductor.fusions": {"linear": False}})
+        (a, b), (code,) = run_and_get_code(compiled, x)
     # calls only: the generated code also names the mkldnn op in its output's assert_size_stride lines
     gemms = code.count("extern_kernels.mm(") + code.count("torch.ops.mkldnn._linear_pointwise.default(")
     assert gemms == (1 if isa.native_bf16_gemm() else 2)

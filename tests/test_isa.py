@@ -122,6 +122,8 @@ class Projections(nn.Module):
         self.q_b_int8, self.q_b_int8_scale = map(constant, quantize_weight_int8(q_b_weight))
         self.q_b_fp8, self.q_b_fp8_scale = map(constant, quantize_weight_fp8_blocks(q_b_weight, FP8_BLOCK))
         self.w_kc = constant((torch.randn(heads, nope, latent, generator=g) * nope**-0.5).bfloat16())
+        self.o_weight = constant((torch.randn(40, q_lora_rank, generator=g) * q_lora_rank**-0.5).bfloat16())
+        self.o_bias = constant(torch.randn(40, generator=g).bfloat16())
         self.latent = latent
 
     def forward(self, q_a, cos, sin, cache, tables, lens, fp8_cache, fp8_scale, gqa_q, gqa_k, gqa_v):
@@ -133,10 +135,12 @@ class Projections(nn.Module):
                                          FP8_BLOCK)
         return (q, torch.ops.mla.latent_decode_attention(q, cache, tables, lens, self.latent, 0.1),
                 torch.ops.mla.latent_decode_attention(q, fp8_cache, tables, lens, self.latent, 0.1, kv_scale=fp8_scale),
-                q_w8a8, q_fp8, gqa(gqa_q, gqa_k.bfloat16(), gqa_v.bfloat16()), gqa(gqa_q, gqa_k, gqa_v))
+                q_w8a8, q_fp8, gqa(gqa_q, gqa_k.bfloat16(), gqa_v.bfloat16()), gqa(gqa_q, gqa_k, gqa_v),
+                torch.ops.mla.linear(q_a, self.o_weight, self.o_bias))
 
 
 QUANTIZED_KERNELS = ("mi::QuantizedGemm<mi::ActivationQuant::kSglang,", "mla_inductor::Float8_e4m3fn_finite")
+PACKED_KERNELS = ("mi::packed_task", "mi::linear_packed_task")
 
 
 def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):
@@ -166,8 +170,8 @@ def run_for_target(target):
     with torch._inductor.config.patch(target):
         outputs, (code,) = compile_frozen(module, inputs)
     # two latent decode attentions (bf16, fp8) and two grouped-query ones (bf16, e4m3)
-    assert code.count("mi::attend_split") == 4 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
-    assert all(kernel in code for kernel in QUANTIZED_KERNELS)
+    assert code.count("mi::attend_split") == 4 and "at::Float8_e4m3fn" in code
+    assert all(kernel in code for kernel in QUANTIZED_KERNELS + PACKED_KERNELS)
     with torch.no_grad():
         expected = module(*inputs)  # the ops' eager references
     args = dict(q_a=inputs[0], q_b_weight=module.q_b_weight, w_kc=module.w_kc, cos=inputs[1], sin=inputs[2])
@@ -208,5 +212,5 @@ def test_avx512_bf16_and_amx_kernels_compile_with_avx2_vectors():
     with torch._inductor.config.patch({**AVX512_BF16_TARGET, "cpp.simdlen": 256}):
         _, (code,) = compile_frozen(module, inputs, backend=compile_only)
     # two latent decode attentions (bf16, fp8) and two grouped-query ones (bf16, e4m3)
-    assert code.count("mi::attend_split") == 4 and "mi::packed_task" in code and "at::Float8_e4m3fn" in code
-    assert all(kernel in code for kernel in QUANTIZED_KERNELS)
+    assert code.count("mi::attend_split") == 4 and "at::Float8_e4m3fn" in code
+    assert all(kernel in code for kernel in QUANTIZED_KERNELS + PACKED_KERNELS)

@@ -13,6 +13,7 @@
 //
 // Blocks are zero-padded in columns (and the VNNI layout in k to a whole pair).
 #pragma once
+#define MLA_INDUCTOR_PACKED_DOT  // linear.h's packed task is defined after this header only
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>

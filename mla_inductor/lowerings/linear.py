@@ -1,0 +1,61 @@
+"""Lowering of mla::linear to the projection templates' GEMM (NT tiles over nn.Linear's weight, or the
+weight packed at compile time under freezing), the bias and the one rounding in each task's epilogue."""
+
+from __future__ import annotations
+
+import sympy
+import torch
+from torch._inductor import ir
+from torch._inductor import lowering as L
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+from .. import config as mla_config
+from ..ops.linear import SUPPORTED_DTYPES
+from .segment_gemm import packed_weights
+from .template import FusedOpTemplate, realize_input
+
+OP = torch.ops.mla.linear.default
+
+
+class LinearTemplate(FusedOpTemplate):
+    template_file = "linear.cpp.j2"
+
+    def headers(self) -> tuple[str, ...]:
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        return ("widen.h", "nt_dot.h") + packed + ("linear.h",)
+
+    def options(self, kernel) -> dict:
+        x, w = self.inputs["X"], self.inputs["W"]
+        return dict(
+            M=kernel.size(x, 0),
+            K=kernel.size(x, 1),
+            N=self.layout.size[1],
+            ldx=kernel.stride(x, 0),
+            ldw=None if w is None else kernel.stride(w, 0),
+        )
+
+
+def _template_can_serve(x, weight) -> bool:
+    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+        return False
+    if x.get_dtype() not in SUPPORTED_DTYPES:
+        return False
+    if not all(isinstance(s, (int, sympy.Integer)) for s in weight.get_size()):
+        return False  # weights are parameters: static in every graph the fusion rewrites
+    return not free_unbacked_symbols(x.get_size()[0])  # rows only known at run time (an MoE expert's)
+
+
+@L.register_lowering(OP, type_promotion_kind=None)
+def lower_linear(x, weight, bias=None):
+    if not _template_can_serve(x, weight):
+        return L.fallback_handler(OP, add_to_fallback_set=False)(x, weight, bias)
+    packed = packed_weights(x.get_dtype(), weight)
+    inputs = {
+        "X": realize_input(x),
+        "W": None if packed else realize_input(weight),
+        "WP": packed,
+        "B": realize_input(bias, True),
+    }
+    n = int(weight.get_size()[0])
+    layout = ir.FixedLayout(x.get_device(), x.get_dtype(), [x.get_size()[0], n])
+    return LinearTemplate("mla_linear", inputs, layout).select()
