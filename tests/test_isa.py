@@ -37,6 +37,8 @@ def test_host_isa_follows_the_cpu_flags():
     if torch.cpu._is_amx_tile_supported() and not played:  # an AMX CPU takes the AVX512-BF16 kernels too
         assert level == "amx" and isa.native_bf16_gemm()
     assert isa.roof_gemm_dtype(torch.bfloat16) == (torch.bfloat16 if isa.native_bf16_gemm() else torch.float32)
+    # fp16 GEMMs are native only with AVX512-FP16, which only the AMX Xeons have
+    assert isa.native_gemm(torch.float32) and (not isa.native_gemm(torch.float16) or level == "amx")
 
 
 @pytest.fixture

@@ -100,24 +100,25 @@ def test_template_without_rows_runs_nothing():
 
 
 @pytest.fixture
-def emulated_bf16(monkeypatch):
-    """The rewrite as a CPU without a native bf16 GEMM makes it, on every CPU."""
-    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: False)
+def emulated_16_bit(monkeypatch):
+    """The rewrite as a CPU without a native bf16 or fp16 GEMM makes it, on every CPU."""
+    monkeypatch.setattr(isa, "native_gemm", lambda dtype: dtype == torch.float32)
 
 
 def with_and_without(monkeypatch, fn, *args):
-    """fn's graph rewritten and run (the ops' references) as on a CPU with a native bf16 GEMM (no Linear
+    """fn's graph rewritten and run (the ops' references) as on a CPU with native 16-bit GEMMs (no Linear
     rewritten) and as on one without: the outputs of both and the second's record. The op's reference
     is the ATen GEMM the graph held, so the two agree exactly."""
-    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: True)
+    monkeypatch.setattr(isa, "native_gemm", lambda dtype: True)
     kept, _ = rewrite_and_run(fn, *args)
-    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: False)
+    monkeypatch.setattr(isa, "native_gemm", lambda dtype: dtype == torch.float32)
     return (kept, *rewrite_and_run(fn, *args))
 
 
-def test_llama_leaves_its_linears_to_the_rewrite(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_llama_leaves_its_linears_to_the_rewrite(monkeypatch, dtype):
     """gqa_qkv takes q/k/v; o_proj, the MLP's three and lm_head are left: 4 a layer and one."""
-    model = tiny_gqa_model("llama", torch.bfloat16)
+    model = tiny_gqa_model("llama", dtype)
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
     logits = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
     expected, out, events = with_and_without(monkeypatch, logits, ids)
@@ -140,7 +141,7 @@ def test_gpt_neox_biased_linears_become_linear_with_bias(monkeypatch):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
-def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_bf16):
+def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_16_bit):
     """GPT-2's Conv1D holds its weight [in, out] (addmm(b, x, w): no Linear's layout); a weight computed in
     the graph and an fp32 Linear are not taken either. GPT-2's lm_head is a Linear and is."""
     config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
@@ -157,13 +158,15 @@ def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_bf16):
     assert fired(events, "linear") == 0
 
 
-def test_nothing_where_the_bf16_gemm_is_native(monkeypatch):
-    monkeypatch.setattr(isa, "native_bf16_gemm", lambda: True)
-    _, events = rewrite_and_run(nn.Linear(40, 24).to(torch.bfloat16).eval(), randn(3, 40))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_nothing_where_the_gemm_is_native(monkeypatch, dtype):
+    """Native for `dtype`, emulated for the other 16-bit dtype: a Linear in `dtype` stays."""
+    monkeypatch.setattr(isa, "native_gemm", lambda d: d in (dtype, torch.float32))
+    _, events = rewrite_and_run(nn.Linear(40, 24).to(dtype).eval(), randn(3, 40, dtype=dtype))
     assert fired(events, "linear") == 0
 
 
-def test_switched_off_by_name(emulated_bf16):
+def test_switched_off_by_name(emulated_16_bit):
     module = nn.Linear(40, 24).to(torch.bfloat16).eval()
     torch._dynamo.reset()
     compiled = torch.compile(module, backend="mla_inductor", options={"mla_inductor.fusions": {"linear": False}})

@@ -1,19 +1,20 @@
-"""linear: the bf16 Linears no other fusion took, into `mla::linear`, where the CPU has no native bf16 GEMM.
+"""linear: the 16-bit Linears no other fusion took, into `mla::linear`, where the CPU has no native GEMM
+for them: bf16 without AVX512-BF16 (AVX2 EPYCs, Skylake / Cascade Lake Xeons), fp16 without AVX512-FP16
+(all but the AMX Xeons).
 
-Without AVX512-BF16 (AVX2 EPYCs, Skylake / Cascade Lake Xeons) what Inductor makes of a bf16 Linear,
-ATen's mm or oneDNN's prepacked linear under freezing, emulates bf16 at 2-20 GFLOP/s: at 8 rows a
-Qwen3-8B MLP streamed its weights at 2.4 GB/s of the 21 the memory gives. The projection templates'
-tiles widen the weights to fp32 in registers instead (docs/linear.md). Their fusions cover the
-attention input; o_proj, the MLP, an MoE's shared experts and lm_head are left, and decide a decode
-step at batch 8 and every prefill. Where the GEMM is native, oneDNN's stays: nothing is rewritten.
+There what Inductor makes of such a Linear, ATen's mm or oneDNN's prepacked linear under freezing,
+emulates the dtype at 2-20 GFLOP/s: at 8 rows a Llama-3-8B MLP streamed its bf16 weights at 3.3 GB/s of
+the 21 the memory gives, its fp16 ones at 2.5. The projection templates' tiles widen the weights to fp32
+in registers instead (docs/linear.md). Their fusions cover the attention input; o_proj, the MLP, an
+MoE's experts and lm_head are left, and decide a decode step at batch 8 and every prefill. Where the
+GEMM is native, oneDNN's stays: nothing is rewritten.
 
 Matched by walking the graph, after every other fusion and after quantized Linears got their own
 spelling back (passes.py), so that it takes only what is left: `mm(x, permute(w, [1, 0]))` and
-`addmm(bias, x, permute(w, [1, 0]))` of bf16 x and a bf16 weight that is a graph input (a parameter,
-nn.Linear's [N, K]; a constant under freezing). GEMMs of activations (attention's, a weight computed in
-the graph such as a dequantized one) are no Linears and stay as they are.
+`addmm(bias, x, permute(w, [1, 0]))` of x and a weight of one such dtype, the weight a graph input (a
+parameter, nn.Linear's [N, K]; a constant under freezing). GEMMs of activations (attention's, a weight
+computed in the graph such as a dequantized one) are no Linears and stay as they are.
 """
-
 from __future__ import annotations
 
 from typing import Optional
@@ -42,37 +43,39 @@ def _parameter(node: Node) -> Optional[Node]:
     return weight if weight.op in _WEIGHT_SOURCES else None
 
 
-def _is_bf16_matrix(node: Node) -> bool:
+def _dtype(node: Node, dim: int) -> Optional[torch.dtype]:
+    """The dtype of a tensor node of `dim` dims, else None."""
     value = node.meta.get("val")
-    return isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16 and value.dim() == 2
+    return value.dtype if isinstance(value, torch.Tensor) and value.dim() == dim else None
 
 
-def _linear_operands(gemm: Node) -> Optional[tuple[Node, Node, Optional[Node]]]:
-    """(x, weight, bias) of a GEMM that is a bf16 Linear, else None."""
+def _linear_operands(gemm: Node, emulated: tuple[torch.dtype, ...]) -> Optional[tuple[Node, Node, Optional[Node]]]:
+    """(x, weight, bias) of a GEMM that is a Linear in one of the `emulated` dtypes, else None."""
     if gemm.target is aten.mm.default:
         bias, (x, operand) = None, gemm.args
     elif gemm.target is aten.addmm.default and gemm.kwargs.get("beta", 1) == 1 and gemm.kwargs.get("alpha", 1) == 1:
         bias, x, operand = gemm.args[:3]
-        value = bias.meta.get("val")
-        if not isinstance(value, torch.Tensor) or value.dtype != torch.bfloat16 or value.dim() != 1:
-            return None  # a bias broadcast from another shape: not nn.Linear's
     else:
         return None
     weight = _parameter(operand)
-    if weight is None or not (_is_bf16_matrix(x) and _is_bf16_matrix(weight)):
+    dtype = _dtype(x, 2)
+    if weight is None or dtype not in emulated or _dtype(weight, 2) != dtype:
         return None
+    if bias is not None and _dtype(bias, 1) != dtype:
+        return None  # a bias broadcast from another shape: not nn.Linear's
     return x, weight, bias
 
 
 def rewrite_linears(graph: Graph, stage: str) -> int:
-    """Every bf16 Linear left in `graph` as mla::linear, where bf16 GEMMs are emulated; returns how many."""
-    if isa.native_bf16_gemm():
+    """Every Linear left in `graph` whose GEMM is emulated here as mla::linear; returns how many."""
+    emulated = tuple(dtype for dtype in (torch.bfloat16, torch.float16) if not isa.native_gemm(dtype))
+    if not emulated:
         return 0
     rewritten = 0
     for gemm in list(graph.nodes):
         if gemm.op != "call_function":
             continue
-        operands = _linear_operands(gemm)
+        operands = _linear_operands(gemm, emulated)
         if operands is None:
             continue
         with graph.inserting_before(gemm):
