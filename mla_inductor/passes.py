@@ -8,8 +8,8 @@ Each stage has its own PatternMatcherPass because patterns are traced differentl
 SourceKey, a pass that does nothing, keys Inductor's FX-graph cache on the package's sources for every
 compile of the process, the stock backend's included.
 Quantized Linears are given one canonical form first and their spelling back after the fusions
-(patterns/quantized_linear.py). The bf16 Linears left after all of that become mla::linear where bf16
-GEMMs are emulated (patterns/linear.py).
+(patterns/quantized_linear.py). The bf16 and fp16 Linears left after all of that become mla::linear
+where the CPU emulates their GEMMs (patterns/linear.py).
 """
 
 from __future__ import annotations

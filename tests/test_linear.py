@@ -9,7 +9,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
+from graph_utils import fired, greedy, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
 from mla_inductor import isa
 
 
@@ -126,6 +126,17 @@ def test_llama_leaves_its_linears_to_the_rewrite(monkeypatch, dtype):
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
 
 
+def test_dynamic_rows(emulated_16_bit):
+    """Batch and sequence symbolic, as a server's one graph has them: the rows of every Linear too. Each of
+    the layer's seven Linears and lm_head is gqa_qkv's or mla::linear, none is left to ATen."""
+    model = tiny_gqa_model("llama", torch.bfloat16, layers=1)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(0))
+    _, events = rewrite_and_run(lambda ids: model(input_ids=ids, use_cache=False).logits, ids, dynamic=True)
+    graph = rewrite_and_run.graph
+    assert has_dynamic_sizes(graph) and fired(events, "linear") + 3 * fired(events, "gqa_qkv") == 7 + 1
+    assert not [n for n in graph.nodes if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)]
+
+
 def test_gpt_neox_biased_linears_become_linear_with_bias(monkeypatch):
     """GPT-NeoX: every Linear has a bias (addmm), its fused query_key_value included."""
     config = transformers.GPTNeoXConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -143,7 +154,7 @@ def test_gpt_neox_biased_linears_become_linear_with_bias(monkeypatch):
 
 def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_16_bit):
     """GPT-2's Conv1D holds its weight [in, out] (addmm(b, x, w): no Linear's layout); a weight computed in
-    the graph and an fp32 Linear are not taken either. GPT-2's lm_head is a Linear and is."""
+    the graph, a broadcast bias and an fp32 Linear are not taken either. GPT-2's lm_head is a Linear and is."""
     config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
     torch.manual_seed(0)
     gpt2 = transformers.GPT2LMHeadModel(config).to(torch.bfloat16).eval()
@@ -154,6 +165,8 @@ def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_16_bit):
     weight = randn(24, 40, seed=1)
     _, events = rewrite_and_run(lambda x, w: x @ (2 * w).T, randn(3, 40), weight)
     assert fired(events, "linear") == 0
+    _, events = rewrite_and_run(lambda x, w, b: torch.addmm(b, x, w.T), randn(3, 40), weight, randn(1))
+    assert fired(events, "linear") == 0  # a bias of one element, broadcast: no Linear's
     _, events = rewrite_and_run(nn.Linear(40, 24).eval(), randn(3, 40, dtype=torch.float32))
     assert fired(events, "linear") == 0
 

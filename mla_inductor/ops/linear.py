@@ -3,8 +3,9 @@
     x [M, K], weight [N, K] (nn.Linear's layout), bias [N] or None  ->  y [M, N] in x's dtype
 
 On a CPU without a native bf16 GEMM (no AVX512-BF16: AVX2 EPYCs, Skylake / Cascade Lake Xeons) a bf16
-Linear runs ATen's or oneDNN's emulated path at 2-20 GFLOP/s, where widening the weights to fp32 in
-registers reaches the fp32 FMA rate or, at decode, the memory bandwidth (docs/linear.md). The linear
+Linear runs ATen's or oneDNN's emulated path at 2-20 GFLOP/s, and an fp16 one wherever AVX512-FP16 is
+missing, where widening the weights to fp32 in registers reaches the fp32 FMA rate or, at decode, the
+memory bandwidth (docs/linear.md). The linear
 fusion (patterns/linear.py) gives such Linears this op, which lowers to the projection templates' GEMM
 (lowerings/linear.py): the output rounded once from fp32 sums, the bias added to them first.
 

@@ -15,12 +15,14 @@ spelling back (passes.py), so that it takes only what is left: `mm(x, permute(w,
 parameter, nn.Linear's [N, K]; a constant under freezing). GEMMs of activations (attention's, a weight
 computed in the graph such as a dequantized one) are no Linears and stay as they are.
 """
+
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
 from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import isa
 from ..record import record_decision
@@ -61,7 +63,8 @@ def _linear_operands(gemm: Node, emulated: tuple[torch.dtype, ...]) -> Optional[
     dtype = _dtype(x, 2)
     if weight is None or dtype not in emulated or _dtype(weight, 2) != dtype:
         return None
-    if bias is not None and _dtype(bias, 1) != dtype:
+    if bias is not None and not (_dtype(bias, 1) == dtype and statically_known_true(
+            bias.meta["val"].shape[0] == weight.meta["val"].shape[0])):
         return None  # a bias broadcast from another shape: not nn.Linear's
     return x, weight, bias
 
