@@ -1,6 +1,6 @@
 """linear: mla::linear, its template (the projection templates' GEMM with the bias and the rounding per
-task), and the rewrite of the bf16 Linears no other fusion takes, on transformers models, where the CPU
-has no native bf16 GEMM (patterns/linear.py)."""
+task), and the rewrite of the bf16 / fp16 Linears no other fusion takes, on transformers models, where the
+CPU has no native GEMM for them (patterns/linear.py)."""
 
 import pytest
 import torch
