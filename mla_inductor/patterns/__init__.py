@@ -7,7 +7,7 @@ import functools
 
 from torch._inductor.pattern_matcher import init_once_fakemode
 
-from . import gqa_decode, gqa_qkv, linear, mla_decode, q_b_absorb, qkv_a, rope
+from . import gqa_decode, gqa_qkv, mla_decode, q_b_absorb, qkv_a, rope
 from .qkv_proj_with_rope import count_whole_chains
 from .registry import STAGES, pattern_pass
 from .rope import merge_into_qkv_a_proj
