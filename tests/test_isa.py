@@ -142,7 +142,7 @@ class Projections(nn.Module):
 
 
 QUANTIZED_KERNELS = ("mi::QuantizedGemm<mi::ActivationQuant::kSglang,", "mla_inductor::Float8_e4m3fn_finite")
-PACKED_KERNELS = ("mi::packed_task", "mi::linear_packed_task")
+PACKED_KERNELS = ("mi::packed_task(", "mi::packed_task_rounded(")
 
 
 def projection_inputs(tokens=3, rope=8, latent=64, q_lora_rank=99, rows=40, block_size=16):

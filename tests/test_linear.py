@@ -83,7 +83,7 @@ def test_template_over_rows_strides_and_dtypes(dtype):
         wide_x = randn(rows, module.k + 11, dtype=dtype, seed=rows)
         (with_bias, without), codes = run_and_get_code(compiled, wide_x) if rows == 1 else (compiled(wide_x), None)
         if codes is not None:
-            assert "mi::linear_nt_task" in codes[0] and "mi::linear_packed_task" not in codes[0]
+            assert "mi::nt_task_rounded" in codes[0] and "mi::packed_task_rounded" not in codes[0]
         x = wide_x[:, 3:3 + module.k]
         within_one_rounding(with_bias, x, module.weight, module.bias)
         within_one_rounding(without, x, module.weight)

@@ -10,9 +10,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
-from .. import config as mla_config
 from .mla_decode import ATTENTION_HEADERS
-from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides
+from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides, templates_serve
 
 OP = torch.ops.mla.gqa_decode_attention.default
 
@@ -67,7 +66,7 @@ def lower_gqa_decode_attention(query, key, value, attn_mask=None, scale=None, so
     # are guarded one by one: guard_int of a symbolic floor division fails on its value range.) So is
     # the sliding window, which a model does not change between steps (automatic dynamic makes it a
     # symbol once two calls differ).
-    serves = mla_config.active().cpp_templates and query.get_device().type == "cpu"
+    serves = templates_serve(query)
     sizes = serves and guard_ints(
         dict(heads=query.get_size()[1], kv_heads=key.get_size()[1], D=query.get_size()[3], DV=value.get_size()[3],
              sliding_window=sliding_window, window_block=window_block)

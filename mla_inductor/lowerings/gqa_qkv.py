@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
 
-from .. import config as mla_config
-from .template import FusedOpTemplate, guard_ints, realize_input
+from .template import FusedOpTemplate, guard_ints, realize_input, static_sizes, templates_serve
 from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, quantized_options, quantized_weights,
                            scales_fit_tiles)
 
@@ -70,14 +68,14 @@ class QkvProjectionTemplate(FusedOpTemplate):
 
 
 def _template_can_serve(x, weights, cos, weight_scales) -> bool:
-    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+    if not templates_serve(x):
         return False
     weight_dtype = weights[0].get_dtype() if weight_scales is not None else x.get_dtype()
     if x.get_dtype() not in SUPPORTED_DTYPES or any(w.get_dtype() != weight_dtype for w in weights):
         return False
     if cos is not None and cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
-    if not all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size()):
+    if not static_sizes(*weights):
         return False
     return all(scales_fit_tiles(w, None) for w in weights)
 

@@ -1,18 +1,17 @@
 """Lowering of mla::linear to the projection templates' GEMM (NT tiles over nn.Linear's weight, or the
-weight packed at compile time under freezing), the bias and the one rounding in each task's epilogue."""
+weight packed at compile time under freezing), the bias and the one rounding in each task's epilogue
+(nt_task_rounded, packed_task_rounded)."""
 
 from __future__ import annotations
 
-import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .. import config as mla_config
 from ..ops.linear import SUPPORTED_DTYPES
 from .segment_gemm import packed_weights
-from .template import FusedOpTemplate, realize_input
+from .template import FusedOpTemplate, realize_input, static_sizes, templates_serve
 
 OP = torch.ops.mla.linear.default
 
@@ -22,7 +21,7 @@ class LinearTemplate(FusedOpTemplate):
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
-        return ("widen.h", "nt_dot.h") + packed + ("linear.h",)
+        return ("widen.h", "nt_dot.h") + packed
 
     def options(self, kernel) -> dict:
         x, w = self.inputs["X"], self.inputs["W"]
@@ -36,12 +35,8 @@ class LinearTemplate(FusedOpTemplate):
 
 
 def _template_can_serve(x, weight) -> bool:
-    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+    if not templates_serve(x) or x.get_dtype() not in SUPPORTED_DTYPES or not static_sizes(weight):
         return False
-    if x.get_dtype() not in SUPPORTED_DTYPES:
-        return False
-    if not all(isinstance(s, (int, sympy.Integer)) for s in weight.get_size()):
-        return False  # weights are parameters: static in every graph the fusion rewrites
     return not free_unbacked_symbols(x.get_size()[0])  # rows only known at run time (an MoE expert's)
 
 

@@ -9,9 +9,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
-from .. import config as mla_config
 from ..ops.checks import FP8_CACHE_DTYPES
-from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides
+from .template import FusedOpTemplate, guard_ints, realize_input, row_scale_strides, templates_serve
 
 OP = torch.ops.mla.latent_decode_attention.default
 aten = torch.ops.aten
@@ -69,7 +68,7 @@ def _compile_time_dims(q, kv_cache, rope_cache, w_vc, kv_lora_rank) -> Optional[
 
 
 def _template_can_serve(q, kv_cache, block_tables, seq_lens) -> bool:
-    if not mla_config.active().cpp_templates or q.get_device().type != "cpu":
+    if not templates_serve(q):
         return False
     if q.get_dtype() not in SUPPORTED_DTYPES or kv_cache.get_dtype() not in (q.get_dtype(), *FP8_CACHE_DTYPES):
         return False

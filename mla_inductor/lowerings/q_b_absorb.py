@@ -8,8 +8,7 @@ import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
 
-from .. import config as mla_config
-from .template import FusedOpTemplate, cpp_rope_style, realize_input
+from .template import FusedOpTemplate, cpp_rope_style, realize_input, templates_serve
 from .segment_gemm import (QUANTIZED_GEMM_HEADERS, frozen_values, packed_constant, quantized_options,
                            quantized_weights, scales_fit_tiles)
 
@@ -61,8 +60,7 @@ def lower_q_b_absorb(q_a, q_b_weight, w_kc, cos, sin, rope_style, q_b_weight_sca
     dims = _static_dims(q_a, q_b_weight, w_kc, cos)
     if (
         dims is None
-        or not mla_config.active().cpp_templates
-        or q_a.get_device().type != "cpu"
+        or not templates_serve(q_a)
         or q_a.get_dtype() not in SUPPORTED_DTYPES
         or cos.get_dtype() not in SUPPORTED_DTYPES
         or not scales_fit_tiles(q_b_weight, weight_block_size)

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor import lowering as L
 
-from .. import config as mla_config
-from .template import FusedOpTemplate, cpp_rope_style, realize_input
+from .template import FusedOpTemplate, cpp_rope_style, realize_input, static_sizes, templates_serve
 from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, quantized_options, quantized_weights,
                            scales_fit_tiles)
 
@@ -58,13 +56,13 @@ class QkvAProjTemplate(FusedOpTemplate):
 
 
 def _template_can_serve(x, weights, k_cos, weight_block_size) -> bool:
-    if not mla_config.active().cpp_templates or x.get_device().type != "cpu":
+    if not templates_serve(x):
         return False
     if x.get_dtype() not in SUPPORTED_DTYPES or len(x.get_size()) not in (2, 3):
         return False
     if k_cos is not None and k_cos.get_dtype() not in SUPPORTED_DTYPES:
         return False
-    if not all(isinstance(s, (int, sympy.Integer)) for w in weights for s in w.get_size()):
+    if not static_sizes(*weights):
         return False
     return all(scales_fit_tiles(w, weight_block_size) for w in weights)
 

@@ -10,9 +10,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch._inductor.virtualized import V
 
-from .. import config as mla_config
 from ..ops.rope import token_shape
-from .template import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input
+from .template import FusedOpTemplate, cpp_rope_style, guard_ints, realize_input, templates_serve
 
 OP = torch.ops.mla.rotary_embedding.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -67,8 +66,7 @@ class RotaryEmbeddingTemplate(FusedOpTemplate):
 
 def _template_can_serve(positions, query, cos_sin_cache) -> bool:
     return (
-        mla_config.active().cpp_templates
-        and query.get_device().type == "cpu"
+        templates_serve(query)
         and query.get_dtype() in SUPPORTED_DTYPES
         and cos_sin_cache.get_dtype() in SUPPORTED_DTYPES
         and len(positions.get_size()) >= 1
@@ -148,8 +146,7 @@ def lower_apply_rope(x, cos, sin, style):
     dims = guard_ints(dict(head_size=x.get_size()[-1], rotary_dim=2 * cos.get_size()[-1]))
     if (
         dims is None
-        or not mla_config.active().cpp_templates
-        or x.get_device().type != "cpu"
+        or not templates_serve(x)
         or x.get_dtype() not in SUPPORTED_DTYPES
         or cos.get_dtype() not in SUPPORTED_DTYPES
     ):

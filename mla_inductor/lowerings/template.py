@@ -18,6 +18,7 @@ import torch._inductor.lowering  # noqa: F401  (first: see above)
 
 from typing import Optional
 
+import sympy
 import torch
 from torch._inductor import ir
 from torch._inductor.codegen.cpp import get_export_declaration
@@ -25,6 +26,8 @@ from torch._inductor.codegen.cpp_template import CppTemplate
 from torch._inductor.select_algorithm import autotune_select_algorithm
 from torch._inductor.utils import parallel_num_threads
 from torch._inductor.virtualized import V
+
+from .. import config as mla_config
 
 TEMPLATE_DIR = pathlib.Path(__file__).resolve().parent / "templates"
 
@@ -81,6 +84,17 @@ def row_scale_strides(kernel, scale: ir.IRNode, rows_dims: int) -> tuple[list, l
         broadcast = own < 0 or V.graph.sizevars.statically_known_equals(size[own], 1)
         strides.append(0 if broadcast else kernel.stride(scale, own))
     return strides, [0] * len(size)
+
+
+def templates_serve(t) -> bool:
+    """Whether our C++ templates may lower an op on `t`: switched on (Config.cpp_templates) and on the CPU."""
+    return mla_config.active().cpp_templates and t.get_device().type == "cpu"
+
+
+def static_sizes(*nodes) -> bool:
+    """Whether every size of `nodes` is a number: weights (parameters) are static in every graph the
+    fusions rewrite, and the templates take their sizes as constants."""
+    return all(isinstance(s, (int, sympy.Integer)) for node in nodes for s in node.get_size())
 
 
 def guard_ints(sizes: dict) -> Optional[dict]:

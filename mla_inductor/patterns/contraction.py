@@ -82,6 +82,10 @@ def shape(node: Node) -> list[Size]:
     return list(node.meta["val"].shape)
 
 
+# The ops of a graph's inputs: arguments and parameters (placeholders), constants (get_attr).
+GRAPH_INPUT_OPS = ("placeholder", "get_attr")
+
+
 def node_value(arg):
     """An argument's value: the example (fake) tensor or SymInt behind a graph node, or the literal."""
     return arg.meta["val"] if isinstance(arg, Node) else arg

@@ -26,10 +26,10 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import isa
 from ..record import record_decision
+from .contraction import GRAPH_INPUT_OPS
 
 FUSION = "linear"
 aten = torch.ops.aten
-_WEIGHT_SOURCES = ("placeholder", "get_attr")
 
 
 def _parameter(node: Node) -> Optional[Node]:
@@ -42,7 +42,7 @@ def _parameter(node: Node) -> Optional[Node]:
         weight = node.args[0]
     else:
         return None
-    return weight if weight.op in _WEIGHT_SOURCES else None
+    return weight if weight.op in GRAPH_INPUT_OPS else None
 
 
 def _dtype(node: Node, dim: int) -> Optional[torch.dtype]:

@@ -46,7 +46,7 @@ from torch.fx import Graph, Node
 from .. import isa
 from ..lowerings.segment_gemm import amx_tiles_serve
 from ..ops.weight_quant import ACTIVATION_QUANT, QUANTIZED_WEIGHT_DTYPES, dequantize_weight, quantize_rows
-from .contraction import Decline, Emitter
+from .contraction import GRAPH_INPUT_OPS, Decline, Emitter
 
 aten, prims = torch.ops.aten, torch.ops.prims
 DEQUANTIZE = torch.ops.mla.dequantize_weight.default
@@ -182,7 +182,6 @@ def _canonical(graph: Graph, output: Node, x: Node, weight: Node, scale: Node) -
 # spelling of the expansion of block scales (repeat_interleave, expand and view, indexing) is found,
 # and one that computes other values (a scale rounded to bf16 first, scales assigned to other blocks)
 # is left alone. A probe is cached by the chain's structure and shapes: a model's layers share it.
-_SOURCE_OPS = ("placeholder", "get_attr")
 _PROBE_SEED = 0
 _ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK_SIZES = (128, 64, 32, 16, 256, 512)  # tried first: released checkpoints use 128 x 128
@@ -193,7 +192,7 @@ def _sources(graph: Graph) -> dict[Node, frozenset]:
     deterministically from at most two of them (a probe of the pair reproduces them)."""
     sources: dict[Node, frozenset] = {}
     for node in graph.nodes:
-        if node.op in _SOURCE_OPS:
+        if node.op in GRAPH_INPUT_OPS:
             sources[node] = frozenset([node])
         elif node.op == "call_function" and not node.is_impure() and not _seeded(node.target):
             inputs = [sources.get(n) for n in node.all_input_nodes]
@@ -407,7 +406,7 @@ def _noop_view(node: Node) -> bool:
 
 
 def _graph_inputs(node: Node) -> set[Node]:
-    return {a for a in _ancestors(node) if a.op in _SOURCE_OPS}
+    return {a for a in _ancestors(node) if a.op in GRAPH_INPUT_OPS}
 
 
 def _probe_activations(x: Node, generator: torch.Generator) -> torch.Tensor:
@@ -451,7 +450,7 @@ def _w8a8_linears(graph: Graph) -> int:
         quantized, transposed = node.args
         weight = transposed.args[0] if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0] else None
         x = _quantizer_input(quantized)
-        if weight is None or _int8_weight(weight) is None or weight.op not in _SOURCE_OPS or x is None:
+        if weight is None or _int8_weight(weight) is None or weight.op not in GRAPH_INPUT_OPS or x is None:
             continue
         found = _w8a8_epilogue(node, x.meta["val"].dtype)
         if found is None:

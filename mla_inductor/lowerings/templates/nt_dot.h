@@ -348,6 +348,18 @@ inline void nt_task(int64_t task, const T* x, int64_t ldx, int64_t M, const T* w
   dot_panel<T>(x + m0 * ldx, ldx, mr, w + n0 * ldw, ldw, nr, K, out + m0 * ldo + n0, ldo);
 }
 
+// nt_task with its sums rounded into y (row stride ldy), the bias (or null) added first: the panel's
+// sums stay in a tile on the stack, so a GEMM needs no M x N scratch (mla::linear's: a prefill's lm_head
+// would need gigabytes of it).
+template <typename T>
+inline void nt_task_rounded(int64_t task, const T* x, int64_t ldx, int64_t M, const T* w, int64_t ldw, int64_t N,
+                            int64_t K, const T* bias, T* y, int64_t ldy) {
+  const auto [m0, n0, mr, nr] = nt_panel(task, M, N);
+  alignas(64) float tile[kMaxPanelRows * kTileCols];
+  dot_panel<T>(x + m0 * ldx, ldx, mr, w + n0 * ldw, ldw, nr, K, tile, kTileCols);
+  store_rows_rounded(tile, kTileCols, mr, nr, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
+}
+
 // Quantized weights: int8 or fp8 e4m3fn (one byte an element) in nn.Linear's [N, K], with fp32 scales
 // per block of block_n weight rows by block_k columns: scale[(n / block_n) * ld + k / block_k].
 // Per-channel scales are blocks of 1 x K. At decode the weight stream is the cost, and these are

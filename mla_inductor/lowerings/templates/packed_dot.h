@@ -13,7 +13,6 @@
 //
 // Blocks are zero-padded in columns (and the VNNI layout in k to a whole pair).
 #pragma once
-#define MLA_INDUCTOR_PACKED_DOT  // linear.h's packed task is defined after this header only
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
@@ -211,6 +210,22 @@ inline void packed_task(int64_t block, const c10::BFloat16* x, int64_t ldx, int6
   const int64_t n0 = block * kPackedCols;
   packed_block_bf16(x, ldx, M, packed + block * packed_block_elems(K), K, std::min(kPackedCols, N - n0),
                     out + n0, ldo);
+}
+
+// packed_task with its sums rounded into y (row stride ldy), the bias (or null) added first, as
+// nt_task_rounded: every x row passes over the block kRoundedRows at a time, their sums on the stack.
+constexpr int64_t kRoundedRows = 64;
+inline void packed_task_rounded(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
+                                const c10::BFloat16* packed, int64_t N, int64_t K, const c10::BFloat16* bias,
+                                c10::BFloat16* y, int64_t ldy) {
+  const int64_t n0 = block * kPackedCols, cols = std::min(kPackedCols, N - n0);
+  const c10::BFloat16* weights = packed + block * packed_block_elems(K);
+  alignas(64) float tile[kRoundedRows * kPackedCols];
+  for (int64_t m0 = 0; m0 < M; m0 += kRoundedRows) {
+    const int64_t rows = std::min(kRoundedRows, M - m0);
+    packed_block_bf16(x + m0 * ldx, ldx, rows, weights, K, cols, tile, kPackedCols);
+    store_rows_rounded(tile, kPackedCols, rows, cols, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
+  }
 }
 
 }  // namespace mla_inductor

@@ -310,4 +310,25 @@ inline void store_row(const float* row, int64_t n, T* out) {
   }
 }
 
+// row[0..n) += values[0..n) widened to fp32 (a bias on a GEMM's fp32 row).
+template <typename T>
+inline void add_widened(float* row, const T* values, int64_t n) {
+  using Vec = at::vec::Vectorized<float>;
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const int64_t count = std::min<int64_t>(Vec::size(), n - i);
+    (Vec::loadu(row + i, count) + load_floats(values + i, count)).store(row + i, count);
+  }
+}
+
+// y[m, :cols] = round(tile[m, :cols] + bias[:cols]) for m < rows (ld and ldy the row strides); bias may
+// be null. A GEMM task's sums stored without an M x N scratch.
+template <typename T>
+inline void store_rows_rounded(float* tile, int64_t ld, int64_t rows, int64_t cols, const T* bias, T* y,
+                               int64_t ldy) {
+  for (int64_t m = 0; m < rows; ++m) {
+    if (bias != nullptr) add_widened(tile + m * ld, bias, cols);
+    store_row(tile + m * ld, cols, y + m * ldy);
+  }
+}
+
 }  // namespace mla_inductor
