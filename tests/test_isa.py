@@ -21,6 +21,7 @@ from mla_inductor.ops.q_b_absorb import reference_fp64 as q_b_reference
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 AVX2_TARGET = {"cpp.march": "haswell", "cpp.simdlen": 256}  # AVX2, FMA, F16C; 8-lane Vectorized<float>
+AVX512_TARGET = {"cpp.march": "cascadelake"}  # AVX-512 without BF16 (Skylake / Cascade Lake / Ice Lake Xeons)
 AVX512_BF16_TARGET = {"cpp.march": "sapphirerapids"}
 AVX512_BF16_WITHOUT_AMX_TARGET = {"cpp.march": "cooperlake"}  # as on Zen 4: dpbf16, no AMX tiles
 
@@ -75,9 +76,10 @@ def test_target_isa_follows_cpp_march():
     with torch._inductor.config.patch(AVX512_BF16_TARGET):
         assert isa.target_isa() == "amx" and can_pack(torch.bfloat16)
         assert pack_blocks(weight).shape == (2, 3 * 2 * 32)  # 32-column VNNI blocks of k pairs
-    with torch._inductor.config.patch({"cpp.march": "cascadelake"}):
-        # AVX-512 without BF16: the packed kernel would be AVX2's, slower than the 16-lane NT tiles
-        assert isa.target_isa() == "avx512f" and not can_pack(torch.bfloat16)
+    with torch._inductor.config.patch(AVX512_TARGET):
+        # AVX-512 without BF16: the same VNNI blocks, widened to fp32 in registers
+        assert isa.target_isa() == "avx512f" and can_pack(torch.bfloat16)
+        assert pack_blocks(weight).shape == (2, 3 * 2 * 32)
     with torch._inductor.config.patch({"cpp.march": "some-future-cpu"}):
         assert isa.target_isa() == "default" and not can_pack(torch.bfloat16)  # unknown: the portable kernels
 
@@ -202,6 +204,31 @@ def compile_only(gm, example_inputs):
     """A backend that compiles the graph with mla_inductor (its C++ is built) and runs it eagerly."""
     mla_inductor.backend(gm, example_inputs)
     return gm.forward
+
+
+class FrozenLinear(nn.Module):
+    """mla::linear over a frozen bf16 weight: K odd (a zero-padded pair), N a packed block and a part."""
+
+    def __init__(self, k=99, n=40):
+        super().__init__()
+        g = torch.Generator().manual_seed(2)
+        self.weight = nn.Parameter((torch.randn(n, k, generator=g) * k**-0.5).bfloat16(), requires_grad=False)
+        self.bias = nn.Parameter(torch.randn(n, generator=g).bfloat16(), requires_grad=False)
+
+    def forward(self, x):
+        return torch.ops.mla.linear(x, self.weight, self.bias)
+
+
+@pytest.mark.skipif(isa.host_isa() == "avx512f", reason="AVX-512 without BF16 is this CPU's own path")
+def test_packed_weights_for_avx512_without_bf16():
+    """A Skylake / Cascade Lake / Ice Lake Xeon's packed kernel (VNNI blocks widened to fp32 FMAs): run
+    where the CPU has AVX512-BF16, built where it has only AVX2."""
+    runs_here = isa.at_least("avx512_bf16", isa.host_isa())
+    module, x = FrozenLinear().eval(), torch.randn(9, 99, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch._inductor.config.patch(AVX512_TARGET):
+        y, (code,) = compile_frozen(module, (x,), backend="mla_inductor" if runs_here else compile_only)
+    assert "mi::packed_task_rounded(" in code
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, module.weight, module.bias), atol=2e-2, rtol=1e-2)
 
 
 def test_avx512_bf16_and_amx_kernels_compile_with_avx2_vectors():

@@ -10,7 +10,8 @@ from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
 from graph_utils import fired, greedy, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
-from mla_inductor import isa
+from mla_inductor import benchmarking, isa
+from mla_inductor.lowerings.segment_gemm import can_pack
 
 
 def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
@@ -87,6 +88,25 @@ def test_template_over_rows_strides_and_dtypes(dtype):
         x = wide_x[:, 3:3 + module.k]
         within_one_rounding(with_bias, x, module.weight, module.bias)
         within_one_rounding(without, x, module.weight)
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this target has no packed kernel")
+def test_template_over_frozen_weights_packed_at_compile_time():
+    """Under freezing the weight is packed for the target (packed_dot.h): one compile with the rows
+    dynamic, K odd (the VNNI layout's zero pad), N a block and a part, rows in no tile, one, and several
+    tiles and k chunks (K past one chunk)."""
+    module = Linears(torch.bfloat16, k=301, n=50).eval()
+    torch._dynamo.reset()
+    with benchmarking.inference_freezing(), torch.no_grad():
+        compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
+        for rows in (1, 3, 8, 9, 70):
+            wide_x = randn(rows, module.k + 11, seed=rows)
+            (with_bias, without), codes = run_and_get_code(compiled, wide_x) if rows == 1 else (compiled(wide_x), None)
+            if codes is not None:
+                assert "mi::packed_task_rounded" in codes[0] and "mi::nt_task_rounded" not in codes[0]
+            x = wide_x[:, 3:3 + module.k]
+            within_one_rounding(with_bias, x, module.weight, module.bias)
+            within_one_rounding(without, x, module.weight)
 
 
 def test_template_without_rows_runs_nothing():

@@ -15,8 +15,8 @@ from .. import isa
 from ..ops.weight_quant import QUANTIZED_WEIGHT_DTYPES
 from .template import frozen_value, huge_page_empty, realize_input
 
-VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX512-BF16
-AVX2_COLS = 16  # and without
+VNNI_COLS = 32  # kPackedCols of templates/packed_dot.h with AVX-512
+AVX2_COLS = 16  # and with AVX2
 # Where the template beats what Inductor would emit instead (benchmarks/qkv_a.py, deepseek-v3-tp22
 # shape, 2 threads). On an AVX512-BF16 CPU: with freezing, bf16 weights are packed at compile time and
 # the template beats oneDNN's prepacked GEMM up to 8 rows (1.1-1.6x; at 16 rows it is 0.77x: each
@@ -131,13 +131,9 @@ def quantized_options(kernel, quantized: Optional[dict], **weights) -> dict:
 
 def can_pack(dtype: torch.dtype) -> bool:
     """Whether frozen weights of `dtype` get packed for packed_dot.h: bf16, and the C++ is compiled for
-    AVX2 or for AVX512-BF16 (isa.target_isa: this CPU under Inductor's default -march=native); the
-    layout follows the target (pack_blocks). Not for AVX-512 without BF16 (Skylake / Cascade Lake
-    Xeons): the packed kernel there is AVX2's, eight lanes wide, and the NT tiles over the weights as they
-    are, sixteen lanes wide, were faster (qkv_a_proj on a Cascade Lake: 8.91 against 11.34 ms at one
-    row, 19.35 against 32.36 at eight; docs/isa.md)."""
-    target = isa.target_isa()  # the two layouts of pack_blocks
-    return dtype == torch.bfloat16 and (target == "avx2" or isa.at_least("avx512_bf16", target))
+    AVX2 or AVX-512 (isa.target_isa: this CPU under Inductor's default -march=native); the layout
+    follows the target (pack_blocks)."""
+    return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
 
 
 def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_amx_tiles: bool = False) -> bool:
@@ -162,7 +158,7 @@ def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_
 
 def pack_vnni_blocks(*weights: torch.Tensor) -> torch.Tensor:
     """[N_i, K] weights as one [blocks, (K + 1) // 2 * 64] tensor of the 32-column VNNI blocks that
-    packed_dot.h reads with AVX512-BF16: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in
+    packed_dot.h reads with AVX-512: block[kp][c][e] = W[n0 + c][2 kp + e], each weight's blocks in
     turn, the last block of each zero-padded in columns and an odd K zero-padded to a whole pair."""
     blocks = []
     for w in weights:
@@ -188,7 +184,7 @@ def pack_column_blocks(*weights: torch.Tensor) -> torch.Tensor:
 
 def pack_blocks(*weights: torch.Tensor) -> torch.Tensor:
     """The weights in the packed layout of the target Inductor compiles for."""
-    if isa.at_least("avx512_bf16", isa.target_isa()):
+    if isa.at_least("avx512f", isa.target_isa()):
         return pack_vnni_blocks(*weights)
     return pack_column_blocks(*weights)
 

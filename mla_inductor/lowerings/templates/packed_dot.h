@@ -1,15 +1,20 @@
 // NN tiles over a weight packed at compile time (freezing) into column blocks, each one sequential
 // stream that the hardware prefetcher follows at full bandwidth (where NT tiles read four rows 14 KiB
-// apart). Two layouts, one per target, behind one interface (packed_tasks, packed_block_elems,
-// packed_task); lowerings/segment_gemm.py packs for the target Inductor compiles for:
+// apart). Two layouts behind one interface (packed_tasks, packed_block_elems, packed_task);
+// lowerings/segment_gemm.py packs for the target Inductor compiles for:
 //
-// AVX512-BF16: VNNI pairs, block[kp][c][e] = W[n0 + c][2 * kp + e] (c < 32, e < 2). Each step broadcasts
-//   a pair of x values (one 32-bit load) against two 64-byte loads of the block and issues 2 * MR
-//   dpbf16. At 8 x rows it streamed 32 GB/s where the NT tiles managed 17-19 (benchmarks/qkv_a.py,
-//   docs/qkv_a.md).
-// AVX2 (no native bf16): block[k][c] = W[n0 + c][k] (c < 16). Each step widens 16 weights (two 16-bit
-//   shifts) and broadcasts one fp32 x value per row against them, 2 * MR FMAs; x is widened to fp32
-//   a chunk at a time, once per row tile.
+// AVX-512: VNNI pairs, block[kp][c][e] = W[n0 + c][2 * kp + e] (c < 32, e < 2). Each step reads two
+//   64-byte lines of the block against 8 x rows.
+//   - With AVX512-BF16 it broadcasts a pair of x values (one 32-bit load) and issues 2 * MR dpbf16.
+//     At 8 x rows it streamed 32 GB/s where the NT tiles managed 17-19 (benchmarks/qkv_a.py,
+//     docs/qkv_a.md).
+//   - Without (Skylake / Cascade Lake / Ice Lake Xeons) a line widens in two ops, a shift for the even
+//     k and a mask for the odd k (a bf16 is the high half of an fp32), against x widened to fp32 a chunk
+//     at a time, once per row tile, and broadcast from L1: 4 MR FMAs per 4 widening ops, where the NT
+//     tiles widen one x or weight vector per FMA over bf16 x (docs/linear.md).
+// AVX2: block[k][c] = W[n0 + c][k] (c < 16). Each step widens 16 weights (two 16-bit shifts) and
+//   broadcasts one fp32 x value per row against them, 2 * MR FMAs; x is widened to fp32 a chunk at a
+//   time, once per row tile.
 //
 // Blocks are zero-padded in columns (and the VNNI layout in k to a whole pair).
 #pragma once
@@ -19,14 +24,14 @@
 #include <cstdint>
 #include <cstring>
 
-#if !defined(__AVX512BF16__) && !(defined(__AVX2__) && defined(__FMA__))
-#error "packed_dot.h needs AVX512-BF16 or AVX2 with FMA: the lowering packs weights only for such targets"
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
+#error "packed_dot.h needs AVX-512 or AVX2 with FMA: the lowering packs weights only for such targets"
 #endif
 #include <immintrin.h>
 
 namespace mla_inductor {
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 
 constexpr int64_t kPackedCols = 32;  // two fp32 vectors of outputs per x row
 constexpr int kPackedRows = 8;       // x rows per register tile: 16 accumulators + 2 weight vectors
@@ -43,6 +48,8 @@ constexpr int64_t kPrefetchPairs = 512;
 constexpr int kPrefetchMinRows = 4;
 
 constexpr int64_t packed_block_elems(int64_t K) { return (K + 1) / 2 * 2 * kPackedCols; }
+
+#if defined(__AVX512BF16__)
 
 template <int MR>
 __attribute__((always_inline)) inline void packed_step_bf16(__m512 (&a)[MR][2], const int32_t (&pairs)[MR],
@@ -127,6 +134,82 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
   }
 }
 
+#else  // AVX-512 without BF16
+
+// acc[MR][2] (in memory: out rows, or zero when first) += xf[:, 0 : 2 (kp1 - kp0)) . block[kp0..kp1),
+// xf holding the row tile's x chunk in fp32 (rows 2 kPackedChunk apart, an odd K's pad zeroed).
+template <int MR>
+inline void packed_tile_fma(const float* xf, const c10::BFloat16* block, int64_t kp0, int64_t kp1, float* out,
+                            int64_t ldo, __mmask16 lo, __mmask16 hi, bool first) {
+  constexpr int64_t kLdx = 2 * kPackedChunk;
+  __m512 a[MR][2];
+  for (int m = 0; m < MR; ++m) {
+    a[m][0] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lo, out + m * ldo);
+    a[m][1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(hi, out + m * ldo + 16);
+  }
+  const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t kp = kp0; kp < kp1; ++kp) {
+    const c10::BFloat16* w = block + kp * 2 * kPackedCols;
+    if constexpr (MR >= kPrefetchMinRows) {
+      const char* ahead = reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kPackedCols);
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      _mm_prefetch(ahead + 64, _MM_HINT_T1);
+    }
+    const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + kPackedCols);
+    const __m512 even0 = _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16));  // W[c][2 kp], c < 16
+    const __m512 odd0 = _mm512_castsi512_ps(_mm512_and_si512(w0, odd));   // W[c][2 kp + 1]
+    const __m512 even1 = _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16));  // columns 16..31
+    const __m512 odd1 = _mm512_castsi512_ps(_mm512_and_si512(w1, odd));
+    const float* xk = xf + 2 * (kp - kp0);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xe = _mm512_set1_ps(xk[m * kLdx]), xo = _mm512_set1_ps(xk[m * kLdx + 1]);
+      a[m][0] = _mm512_fmadd_ps(xe, even0, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(xe, even1, a[m][1]);
+      a[m][0] = _mm512_fmadd_ps(xo, odd0, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(xo, odd1, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    _mm512_mask_storeu_ps(out + m * ldo, lo, a[m][0]);
+    _mm512_mask_storeu_ps(out + m * ldo + 16, hi, a[m][1]);
+  }
+}
+
+// out[m, c] = sum_k x[m, k] * W[n0 + c, k] in fp32 for m < M and c < cols (<= kPackedCols), W[n0:] being
+// the packed `block`, k in chunks that every row tile passes over while they are in L1.
+inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
+                              int64_t K, int64_t cols, float* out, int64_t ldo) {
+  const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16(1) << cols) - 1;
+  const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16(1) << (cols - 16)) - 1;
+  alignas(64) float xf[kPackedRows * 2 * kPackedChunk];
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += kPackedChunk) {
+    const int64_t kp1 = std::min(pairs, kp0 + kPackedChunk);
+    const int64_t k0 = 2 * kp0, k1 = std::min(K, 2 * kp1);
+    for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
+      const int mr = static_cast<int>(std::min<int64_t>(kPackedRows, M - m0));
+      for (int m = 0; m < mr; ++m) {
+        float* row = xf + m * 2 * kPackedChunk;
+        widen_row(x + (m0 + m) * ldx + k0, k1 - k0, row);
+        if (k1 < 2 * kp1) row[k1 - k0] = 0.f;  // odd K: the pad pairs with a zero weight, but must be finite
+      }
+      float* om = out + m0 * ldo;
+      const bool first = kp0 == 0;
+      switch (mr) {
+        case 8: packed_tile_fma<8>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 7: packed_tile_fma<7>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 6: packed_tile_fma<6>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 5: packed_tile_fma<5>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 4: packed_tile_fma<4>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 3: packed_tile_fma<3>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 2: packed_tile_fma<2>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        default: packed_tile_fma<1>(xf, block, kp0, kp1, om, ldo, lo, hi, first);
+      }
+    }
+  }
+}
+
+#endif
 #else  // AVX2
 
 constexpr int64_t kPackedCols = 16;  // two 8-lane fp32 vectors of outputs per x row
