@@ -3,7 +3,7 @@
 Two questions with different answers on a machine whose code is compiled for another target:
 - `host_isa()`: what this CPU runs (the report records it; the roofline's GEMM probe follows it).
 - `target_isa()`: what the C++ Inductor emits is compiled for. Inductor builds with `-march=native`
-  unless `cpp.march` names another target; the lowerings choose their kernels (packed AVX512-BF16
+  unless `cpp.march` names another target; the lowerings choose their kernels (VNNI-packed AVX-512
   weights, or AVX2 ones) for the target, so a test can force the AVX2 path on an AVX-512 machine by
   setting `cpp.march` to an AVX2 target, and compile (not run) the AVX-512 path on an AVX2 one.
 

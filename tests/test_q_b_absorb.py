@@ -185,7 +185,7 @@ class FrozenWeights(nn.Module):
                weight_block_size=self.block) for weight in (self.fp8_finite, self.fp8_nan)]
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX-512")
 def test_template_under_freezing_packs_bf16_and_skips_the_fp8_nan_fix_only_without_a_nan():
     """Frozen bf16 weights are packed (odd K, a partial block). A frozen e4m3fn weight proven NaN-free
     widens without the NaN fix; one NaN keeps it, and the NaN reaches the rows it multiplies."""

@@ -457,7 +457,7 @@ def test_pack_column_blocks_layout():
             assert blocks[block, k, c] == (weight[n, k] if n < weight.shape[0] else 0.0), (block, k, c)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX512-BF16")
+@pytest.mark.skipif(not can_pack(torch.bfloat16), reason="packing needs AVX2 or AVX-512")
 def test_template_with_weights_packed_under_freezing():
     """Frozen bf16 weights are packed at compile time (odd K, partial blocks in both segments), and one
     compile with dynamic rows serves 1 to 512 rows and strided x."""
