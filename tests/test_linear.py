@@ -75,38 +75,36 @@ class Linears(nn.Module):
         return torch.ops.mla.linear(x, self.weight, self.bias), torch.ops.mla.linear(x, self.weight)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_template_over_rows_strides_and_dtypes(dtype):
-    """One compile with the rows dynamic, called at rows that fill no panel, one, and several."""
-    module = Linears(dtype)
-    compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
+def check_over_rows(compiled, module, dtype, runs, not_runs):
+    """compiled(module) at rows that fill no panel, one, and several tiles: within one rounding of the fp64
+    product, and the C++ of the first call runs the task `runs`, not `not_runs`."""
     for rows in (1, 3, 8, 9, 70):
         wide_x = randn(rows, module.k + 11, dtype=dtype, seed=rows)
         (with_bias, without), codes = run_and_get_code(compiled, wide_x) if rows == 1 else (compiled(wide_x), None)
         if codes is not None:
-            assert "mi::nt_task_rounded" in codes[0] and "mi::packed_task_rounded" not in codes[0]
+            assert runs in codes[0] and not_runs not in codes[0]
         x = wide_x[:, 3:3 + module.k]
         within_one_rounding(with_bias, x, module.weight, module.bias)
         within_one_rounding(without, x, module.weight)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_template_over_rows_strides_and_dtypes(dtype):
+    """One compile with the rows dynamic."""
+    module = Linears(dtype)
+    compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
+    check_over_rows(compiled, module, dtype, "mi::nt_task_rounded", "mi::packed_task_rounded")
+
+
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this target has no packed kernel")
 def test_template_over_frozen_weights_packed_at_compile_time():
     """Under freezing the weight is packed for the target (packed_dot.h): one compile with the rows
-    dynamic, K odd (the VNNI layout's zero pad), N a block and a part, rows in no tile, one, and several
-    tiles and k chunks (K past one chunk)."""
+    dynamic, K odd (the VNNI layout's zero pad), N a block and a part, K past one chunk of k."""
     module = Linears(torch.bfloat16, k=301, n=50).eval()
     torch._dynamo.reset()
     with benchmarking.inference_freezing(), torch.no_grad():
         compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
-        for rows in (1, 3, 8, 9, 70):
-            wide_x = randn(rows, module.k + 11, seed=rows)
-            (with_bias, without), codes = run_and_get_code(compiled, wide_x) if rows == 1 else (compiled(wide_x), None)
-            if codes is not None:
-                assert "mi::packed_task_rounded" in codes[0] and "mi::nt_task_rounded" not in codes[0]
-            x = wide_x[:, 3:3 + module.k]
-            within_one_rounding(with_bias, x, module.weight, module.bias)
-            within_one_rounding(without, x, module.weight)
+        check_over_rows(compiled, module, torch.bfloat16, "mi::packed_task_rounded", "mi::nt_task_rounded")
 
 
 def test_template_without_rows_runs_nothing():
