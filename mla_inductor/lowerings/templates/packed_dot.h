@@ -31,6 +31,17 @@
 
 namespace mla_inductor {
 
+// A row tile's x chunk in fp32, for the FMA tiles: x's rows [0, mr) over columns [k0, k1) at xf + m * ldf,
+// zeros after them up to `width` (an odd K's pad, which pairs with a zero weight but must be finite).
+inline void widen_chunk(const c10::BFloat16* x, int64_t ldx, int mr, int64_t k0, int64_t k1, int64_t width,
+                        float* xf, int64_t ldf) {
+  for (int m = 0; m < mr; ++m) {
+    float* row = xf + m * ldf;
+    widen_row(x + m * ldx + k0, k1 - k0, row);
+    std::fill(row + (k1 - k0), row + width, 0.f);
+  }
+}
+
 #if defined(__AVX512F__)
 
 constexpr int64_t kPackedCols = 32;  // two fp32 vectors of outputs per x row
@@ -48,6 +59,15 @@ constexpr int64_t kPrefetchPairs = 512;
 constexpr int kPrefetchMinRows = 4;
 
 constexpr int64_t packed_block_elems(int64_t K) { return (K + 1) / 2 * 2 * kPackedCols; }
+
+// The lanes of a block's two 16-column halves that hold its first `cols` columns.
+struct HalfMasks {
+  __mmask16 lo, hi;
+};
+inline HalfMasks half_masks(int64_t cols) {
+  return {cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1),
+          cols >= 32 ? __mmask16(0xFFFF) : cols <= 16 ? __mmask16(0) : __mmask16((1u << (cols - 16)) - 1)};
+}
 
 #if defined(__AVX512BF16__)
 
@@ -110,8 +130,7 @@ inline void packed_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFl
 // the packed `block`. Up to kPackedRows rows run in registers over all of k; more rows take k in chunks.
 inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
                               int64_t K, int64_t cols, float* out, int64_t ldo) {
-  const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16(1) << cols) - 1;
-  const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16(1) << (cols - 16)) - 1;
+  const auto [lo, hi] = half_masks(cols);
   const int64_t pairs = (K + 1) / 2;
   const int64_t chunk = M <= kPackedRows ? pairs : kPackedChunk;
   for (int64_t kp0 = 0; kp0 < pairs; kp0 += chunk) {
@@ -179,8 +198,7 @@ inline void packed_tile_fma(const float* xf, const c10::BFloat16* block, int64_t
 // the packed `block`, k in chunks that every row tile passes over while they are in L1.
 inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
                               int64_t K, int64_t cols, float* out, int64_t ldo) {
-  const __mmask16 lo = cols >= 16 ? 0xFFFF : (__mmask16(1) << cols) - 1;
-  const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16(1) << (cols - 16)) - 1;
+  const auto [lo, hi] = half_masks(cols);
   alignas(64) float xf[kPackedRows * 2 * kPackedChunk];
   const int64_t pairs = (K + 1) / 2;
   for (int64_t kp0 = 0; kp0 < pairs; kp0 += kPackedChunk) {
@@ -188,11 +206,7 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
     const int64_t k0 = 2 * kp0, k1 = std::min(K, 2 * kp1);
     for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
       const int mr = static_cast<int>(std::min<int64_t>(kPackedRows, M - m0));
-      for (int m = 0; m < mr; ++m) {
-        float* row = xf + m * 2 * kPackedChunk;
-        widen_row(x + (m0 + m) * ldx + k0, k1 - k0, row);
-        if (k1 < 2 * kp1) row[k1 - k0] = 0.f;  // odd K: the pad pairs with a zero weight, but must be finite
-      }
+      widen_chunk(x + m0 * ldx, ldx, mr, k0, k1, 2 * (kp1 - kp0), xf, 2 * kPackedChunk);
       float* om = out + m0 * ldo;
       const bool first = kp0 == 0;
       switch (mr) {
@@ -267,7 +281,7 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
     const int64_t k1 = std::min(K, k0 + kPackedChunk);
     for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
       const int mr = static_cast<int>(std::min<int64_t>(kPackedRows, M - m0));
-      for (int m = 0; m < mr; ++m) widen_row(x + (m0 + m) * ldx + k0, k1 - k0, xf + m * kPackedChunk);
+      widen_chunk(x + m0 * ldx, ldx, mr, k0, k1, k1 - k0, xf, kPackedChunk);
       float* om = out + m0 * ldo;
       const int c = static_cast<int>(cols);
       switch (mr) {
