@@ -386,6 +386,14 @@ inline void qk_tile_fp32(const float* q, const float* k, float scale, float* s, 
   for (int h = 0; h < MH; ++h) horizontal_sums<NR>(acc[h], s + h * lds, scale);
 }
 
+// Rows ahead whose chunk the P.V tiles prefetch into L1 when they read the block's fp32 copies
+// (StridedRows): those rows lie a key row apart (2304 bytes for MLA's 576 columns), a stride the
+// hardware prefetchers did not follow, and each row's loads waited on L2. One core of the Cascade Lake
+// Xeon, a latent task of 22 heads (benchmarks/attend_split.py): 582 -> 551 ns a bf16 row in L3, 638 ->
+// 604 from memory; 536 and 553 with the score pass's prefetches spread too (block_scores_fp32); 2, 4 or
+// 8 rows ahead alike.
+constexpr int kPvPrefetchRows = 4;
+
 // o[h, c .. c + C * W) = alpha[h] * o + sum_j p[h, j] v[j][c ..] for MH heads over n value rows (widened
 // on load; alpha = nullptr: o is not read). Kept free of lambdas and of partial-vector branches: with
 // either, GCC kept the accumulators on the stack and stored all of them every row (1.5x slower).
@@ -398,6 +406,10 @@ inline void pv_tile_fp32(const float* p, int64_t ldp, Rows v, int n, int64_t c, 
   for (int h = 0; h < MH; ++h)
     for (int i = 0; i < C; ++i) acc[h][i] = alpha ? Vec(alpha[h]) * Vec::loadu(o + h * ldo + c + i * W) : Vec(0.f);
   for (int j = 0; j < n; ++j) {
+    if constexpr (std::is_same_v<Rows, StridedRows>) {
+      const char* ahead = reinterpret_cast<const char*>(v[std::min(j + kPvPrefetchRows, n - 1)] + c);
+      for (int64_t byte = 0; byte < C * W * int64_t(sizeof(float)); byte += 64) _mm_prefetch(ahead + byte, _MM_HINT_T0);
+    }
     Vec vv[C];
     using Row = std::remove_cv_t<std::remove_pointer_t<std::remove_cvref_t<decltype(v[j])>>>;
     // bf16 rows on AVX2 in pairs, the order the score tiles pair the query in (pairs_columns); fp8 rows
@@ -1388,15 +1400,21 @@ inline bool block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2
     }
     return values_checked;
   }
+  constexpr int kHeadTiles = (H + kQkHeadsFp32 - 1) / kQkHeadsFp32;
   for (int n0 = 0; n0 < n; n0 += kQkRowsFp32) {
     const int ahead = n0 + kPrefetchTilesFp32 * kQkRowsFp32;
-    prefetch_block_rows(b.key, ahead, kQkRowsFp32, n, n_next, D1 * int64_t(sizeof(T)));
-    if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead, kQkRowsFp32, n, n_next, D2 * int64_t(sizeof(T)));
     const int count = std::min(kQkRowsFp32, n - n0);
     const bool keys_checked = checked(n0, count);
     dispatch_count<kQkRowsFp32>(count, [&]<int NR>() {
       float* k = keys + n0 * D;
       for (int h0 = 0; h0 < H; h0 += kQkHeadsFp32) {
+        // the rows ahead, one per head tile: all of them before the head tiles (72 lines at MLA's shape)
+        // stalled on the miss buffers; with the P.V prefetch (kPvPrefetchRows) 1.09-1.17x a bf16 row,
+        // 1.04-1.21x an fp8 one, on AVX2 1.03x
+        for (int i = h0 / kQkHeadsFp32; i < kQkRowsFp32; i += kHeadTiles) {
+          prefetch_block_rows(b.key, ahead + i, 1, n, n_next, D1 * int64_t(sizeof(T)));
+          if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead + i, 1, n, n_next, D2 * int64_t(sizeof(T)));
+        }
         dispatch_count<kQkHeadsFp32>(std::min(kQkHeadsFp32, H - h0), [&]<int MH>() {
           float* out = s + h0 * kKvBlock + n0;
           if (h0 != 0) {
