@@ -390,8 +390,8 @@ inline void qk_tile_fp32(const float* q, const float* k, float scale, float* s, 
 // (StridedRows): those rows lie a key row apart (2304 bytes for MLA's 576 columns), a stride the
 // hardware prefetchers did not follow, and each row's loads waited on L2. One core of the Cascade Lake
 // Xeon, a latent task of 22 heads (benchmarks/attend_split.py): 582 -> 551 ns a bf16 row in L3, 638 ->
-// 604 from memory; 536 and 553 with the score pass's prefetches spread too (block_scores_fp32); 2, 4 or
-// 8 rows ahead alike.
+// 604 from memory; 536 and 553 with the score pass's prefetches spread too (block_scores_fp32): 1.09-1.17x
+// a bf16 row, 1.04-1.21x an fp8 one, 1.03x on AVX2. 2, 4 or 8 rows ahead alike.
 constexpr int kPvPrefetchRows = 4;
 
 // o[h, c .. c + C * W) = alpha[h] * o + sum_j p[h, j] v[j][c ..] for MH heads over n value rows (widened
@@ -1409,8 +1409,7 @@ inline bool block_scores_fp32(const float* qf, const RequestBlocks<T, IndexT, D2
       float* k = keys + n0 * D;
       for (int h0 = 0; h0 < H; h0 += kQkHeadsFp32) {
         // the rows ahead, one per head tile: all of them before the head tiles (72 lines at MLA's shape)
-        // stalled on the miss buffers; with the P.V prefetch (kPvPrefetchRows) 1.09-1.17x a bf16 row,
-        // 1.04-1.21x an fp8 one, on AVX2 1.03x
+        // stalled on the miss buffers (figures at kPvPrefetchRows)
         for (int i = h0 / kQkHeadsFp32; i < kQkRowsFp32; i += kHeadTiles) {
           prefetch_block_rows(b.key, ahead + i, 1, n, n_next, D1 * int64_t(sizeof(T)));
           if constexpr (D2 > 0) prefetch_block_rows(b.rope, ahead + i, 1, n, n_next, D2 * int64_t(sizeof(T)));
