@@ -76,13 +76,14 @@ class Linears(nn.Module):
 
 
 def check_over_rows(compiled, module, dtype, runs, not_runs):
-    """compiled(module) at rows that fill no panel, one, and several tiles: within one rounding of the fp64
-    product, and the C++ of the first call runs the task `runs`, not `not_runs`."""
+    """compiled(module) at rows that fill no panel, one, and several tiles (70: past one rounded tile of 64
+    rows), within one rounding of the fp64 product; the C++ of the first call runs the tasks `runs`, not
+    `not_runs`."""
     for rows in (1, 3, 8, 9, 70):
         wide_x = randn(rows, module.k + 11, dtype=dtype, seed=rows)
         (with_bias, without), codes = run_and_get_code(compiled, wide_x) if rows == 1 else (compiled(wide_x), None)
         if codes is not None:
-            assert runs in codes[0] and not_runs not in codes[0]
+            assert all(task in codes[0] for task in runs) and not_runs not in codes[0]
         x = wide_x[:, 3:3 + module.k]
         within_one_rounding(with_bias, x, module.weight, module.bias)
         within_one_rounding(without, x, module.weight)
@@ -90,10 +91,14 @@ def check_over_rows(compiled, module, dtype, runs, not_runs):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_template_over_rows_strides_and_dtypes(dtype):
-    """One compile with the rows dynamic."""
-    module = Linears(dtype)
+    """One compile with the rows dynamic. bf16 on AVX-512 packs the weight as the tiles go from 12 rows
+    (packed_task_rounded_from_rows): K past one chunk of pairs and odd (the pair's zero pad), N a block and
+    a part."""
+    module = Linears(dtype, k=301)
     compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
-    check_over_rows(compiled, module, dtype, "mi::nt_task_rounded", "mi::packed_task_rounded")
+    packs_rows = dtype == torch.bfloat16 and isa.at_least("avx512f", isa.target_isa())
+    runs = ("mi::nt_task_rounded",) + (("mi::packed_task_rounded_from_rows(",) if packs_rows else ())
+    check_over_rows(compiled, module, dtype, runs, "mi::packed_task_rounded(")
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16), reason="this target has no packed kernel")
@@ -104,7 +109,7 @@ def test_template_over_frozen_weights_packed_at_compile_time():
     torch._dynamo.reset()
     with benchmarking.inference_freezing(), torch.no_grad():
         compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
-        check_over_rows(compiled, module, torch.bfloat16, "mi::packed_task_rounded", "mi::nt_task_rounded")
+        check_over_rows(compiled, module, torch.bfloat16, ("mi::packed_task_rounded(",), "mi::nt_task_rounded")
 
 
 def test_template_without_rows_runs_nothing():

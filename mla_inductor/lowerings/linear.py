@@ -9,6 +9,7 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from .. import isa
 from ..ops.linear import SUPPORTED_DTYPES
 from .segment_gemm import packed_weights
 from .template import FusedOpTemplate, realize_input, static_sizes, templates_serve
@@ -19,8 +20,13 @@ OP = torch.ops.mla.linear.default
 class LinearTemplate(FusedOpTemplate):
     template_file = "linear.cpp.j2"
 
+    def packs_rows(self) -> bool:
+        """Whether an unfrozen weight is packed as the tiles go (packed_task_rounded_from_rows, AVX-512)."""
+        return (self.inputs["W"] is not None and self.inputs["X"].get_dtype() == torch.bfloat16
+                and isa.at_least("avx512f", isa.target_isa()))
+
     def headers(self) -> tuple[str, ...]:
-        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None or self.packs_rows() else ()
         return ("widen.h", "nt_dot.h") + packed
 
     def options(self, kernel) -> dict:
@@ -31,6 +37,7 @@ class LinearTemplate(FusedOpTemplate):
             N=self.layout.size[1],
             ldx=kernel.stride(x, 0),
             ldw=None if w is None else kernel.stride(w, 0),
+            PACKS_ROWS=self.packs_rows(),
         )
 
 

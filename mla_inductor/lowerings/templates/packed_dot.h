@@ -84,7 +84,7 @@ __attribute__((always_inline)) inline void packed_step_bf16(__m512 (&a)[MR][2], 
 }
 
 // acc[MR x 2] (in memory) += x[:, pairs kp0..kp1) . block[kp0..kp1), accumulating in registers.
-template <int MR>
+template <int MR, bool PREFETCH>
 inline void packed_chunk_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* block, int64_t K,
                               int64_t kp0, int64_t kp1, __m512* acc) {
   __m512 a[MR][2];
@@ -92,7 +92,7 @@ inline void packed_chunk_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BF
   int32_t pairs[MR];
   const int64_t full_pairs = std::min(kp1, K / 2);
   for (int64_t kp = kp0; kp < full_pairs; ++kp) {
-    if constexpr (MR >= kPrefetchMinRows) {
+    if constexpr (PREFETCH && MR >= kPrefetchMinRows) {
       const char* ahead = reinterpret_cast<const char*>(block + (kp + kPrefetchPairs) * 2 * kPackedCols);
       _mm_prefetch(ahead, _MM_HINT_T1);
       _mm_prefetch(ahead + 64, _MM_HINT_T1);
@@ -110,7 +110,7 @@ inline void packed_chunk_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BF
   for (int m = 0; m < MR; ++m) acc[2 * m] = a[m][0], acc[2 * m + 1] = a[m][1];
 }
 
-template <int MR>
+template <int MR, bool PREFETCH>
 inline void packed_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* block, int64_t K,
                              int64_t kp0, int64_t kp1, float* out, int64_t ldo, __mmask16 lo, __mmask16 hi,
                              bool first) {
@@ -119,7 +119,7 @@ inline void packed_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFl
     acc[2 * m] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(lo, out + m * ldo);
     acc[2 * m + 1] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(hi, out + m * ldo + 16);
   }
-  packed_chunk_bf16<MR>(x, ldx, block, K, kp0, kp1, acc);
+  packed_chunk_bf16<MR, PREFETCH>(x, ldx, block, K, kp0, kp1, acc);
   for (int m = 0; m < MR; ++m) {
     _mm512_mask_storeu_ps(out + m * ldo, lo, acc[2 * m]);
     _mm512_mask_storeu_ps(out + m * ldo + 16, hi, acc[2 * m + 1]);
@@ -127,9 +127,13 @@ inline void packed_tile_bf16(const c10::BFloat16* x, int64_t ldx, const c10::BFl
 }
 
 // out[m, c] = sum_k x[m, k] * W[n0 + c, k] in fp32 for m < M and c < cols (<= kPackedCols), W[n0:] being
-// the packed `block`. Up to kPackedRows rows run in registers over all of k; more rows take k in chunks.
+// the packed `block` (with `accumulate`, added to out's sums). Up to kPackedRows rows run in registers over
+// all of k; more rows take k in chunks. PREFETCH: the block is a stream from memory whose future the tiles
+// ask for (kPrefetchPairs); not for a chunk packed into the stack (pack_chunk_from_rows), past which a
+// prefetch would touch unmapped pages, a page walk each.
+template <bool PREFETCH = true>
 inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
-                              int64_t K, int64_t cols, float* out, int64_t ldo) {
+                              int64_t K, int64_t cols, float* out, int64_t ldo, bool accumulate = false) {
   const auto [lo, hi] = half_masks(cols);
   const int64_t pairs = (K + 1) / 2;
   const int64_t chunk = M <= kPackedRows ? pairs : kPackedChunk;
@@ -138,16 +142,16 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
     for (int64_t m0 = 0; m0 < M; m0 += kPackedRows) {
       const c10::BFloat16* xm = x + m0 * ldx;
       float* om = out + m0 * ldo;
-      const bool first = kp0 == 0;
+      const bool first = kp0 == 0 && !accumulate;
       switch (std::min<int64_t>(kPackedRows, M - m0)) {
-        case 8: packed_tile_bf16<8>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 7: packed_tile_bf16<7>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 6: packed_tile_bf16<6>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 5: packed_tile_bf16<5>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 4: packed_tile_bf16<4>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 3: packed_tile_bf16<3>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 2: packed_tile_bf16<2>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
-        default: packed_tile_bf16<1>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first);
+        case 8: packed_tile_bf16<8, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 7: packed_tile_bf16<7, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 6: packed_tile_bf16<6, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 5: packed_tile_bf16<5, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 4: packed_tile_bf16<4, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 3: packed_tile_bf16<3, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 2: packed_tile_bf16<2, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first); break;
+        default: packed_tile_bf16<1, PREFETCH>(xm, ldx, block, K, kp0, kp1, om, ldo, lo, hi, first);
       }
     }
   }
@@ -157,7 +161,7 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
 
 // acc[MR][2] (in memory: out rows, or zero when first) += xf[:, 0 : 2 (kp1 - kp0)) . block[kp0..kp1),
 // xf holding the row tile's x chunk in fp32 (rows 2 kPackedChunk apart, an odd K's pad zeroed).
-template <int MR>
+template <int MR, bool PREFETCH>
 inline void packed_tile_fma(const float* xf, const c10::BFloat16* block, int64_t kp0, int64_t kp1, float* out,
                             int64_t ldo, __mmask16 lo, __mmask16 hi, bool first) {
   constexpr int64_t kLdx = 2 * kPackedChunk;
@@ -169,7 +173,7 @@ inline void packed_tile_fma(const float* xf, const c10::BFloat16* block, int64_t
   const __m512i odd = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t kp = kp0; kp < kp1; ++kp) {
     const c10::BFloat16* w = block + kp * 2 * kPackedCols;
-    if constexpr (MR >= kPrefetchMinRows) {
+    if constexpr (PREFETCH && MR >= kPrefetchMinRows) {
       const char* ahead = reinterpret_cast<const char*>(w + kPrefetchPairs * 2 * kPackedCols);
       _mm_prefetch(ahead, _MM_HINT_T1);
       _mm_prefetch(ahead + 64, _MM_HINT_T1);
@@ -194,10 +198,11 @@ inline void packed_tile_fma(const float* xf, const c10::BFloat16* block, int64_t
   }
 }
 
-// out[m, c] = sum_k x[m, k] * W[n0 + c, k] in fp32 for m < M and c < cols (<= kPackedCols), W[n0:] being
-// the packed `block`, k in chunks that every row tile passes over while they are in L1.
+// As packed_block_bf16 with AVX512-BF16 above; k in chunks that every row tile passes over while they are
+// in L1.
+template <bool PREFETCH = true>
 inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* block,
-                              int64_t K, int64_t cols, float* out, int64_t ldo) {
+                              int64_t K, int64_t cols, float* out, int64_t ldo, bool accumulate = false) {
   const auto [lo, hi] = half_masks(cols);
   alignas(64) float xf[kPackedRows * 2 * kPackedChunk];
   const int64_t pairs = (K + 1) / 2;
@@ -208,22 +213,93 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
       const int mr = static_cast<int>(std::min<int64_t>(kPackedRows, M - m0));
       widen_chunk(x + m0 * ldx, ldx, mr, k0, k1, 2 * (kp1 - kp0), xf, 2 * kPackedChunk);
       float* om = out + m0 * ldo;
-      const bool first = kp0 == 0;
+      const bool first = kp0 == 0 && !accumulate;
       switch (mr) {
-        case 8: packed_tile_fma<8>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 7: packed_tile_fma<7>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 6: packed_tile_fma<6>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 5: packed_tile_fma<5>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 4: packed_tile_fma<4>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 3: packed_tile_fma<3>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        case 2: packed_tile_fma<2>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
-        default: packed_tile_fma<1>(xf, block, kp0, kp1, om, ldo, lo, hi, first);
+        case 8: packed_tile_fma<8, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 7: packed_tile_fma<7, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 6: packed_tile_fma<6, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 5: packed_tile_fma<5, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 4: packed_tile_fma<4, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 3: packed_tile_fma<3, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        case 2: packed_tile_fma<2, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first); break;
+        default: packed_tile_fma<1, PREFETCH>(xf, block, kp0, kp1, om, ldo, lo, hi, first);
       }
     }
   }
 }
 
 #endif
+
+// Unfrozen weights, packed as the tiles go: nn.Linear's [N, K] rows read where they lie, one chunk of a
+// column block at a time (kPackedChunk pairs: 16 KiB on the stack, in L1) for the packed tiles above. The
+// NT tiles (nt_dot.h) read such a weight as it is, but widen an x or weight vector per FMA, where a packed
+// line, widened once, serves every x row of a row tile: from kRowsPackedOnTheFly rows the packing pays
+// for itself. Cascade Lake Xeon, mla::linear 4096 -> 14336 from memory, 2 threads, in-process A/B against
+// the NT tiles (docs/linear.md): 12 rows 1.11x, 16 rows 1.19x, 64 rows 1.48x; 8 rows 1.02x, 4 rows 0.80x
+// and one row 0.77x (there the weight stream is the cost, and the packing holds it up).
+constexpr int64_t kRowsPackedOnTheFly = 12;
+
+// The 16 x 16 matrix of 32-bit lanes in r transposed: r[i] lane j <- r[j] lane i.
+__attribute__((always_inline)) inline void transpose_16x16_epi32(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // lane 4q + j of t[2i + h]: rows 2i, 2i+1 of columns 4q + 2h + j / 2
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit lane q of u[4i + c]: rows 4i..4i+3 of column 4q + c
+    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4q + c: 128-bit lane q of u[c], u[4 + c], u[8 + c], u[12 + c]
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), b = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i e = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i f = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(a, e, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, e, 0xDD);
+    r[12 + c] = _mm512_shuffle_i32x4(b, f, 0xDD);
+  }
+}
+
+// chunk[kp - kp0][c][e] = W[c][2 kp + e] for kp in [kp0, kp1) and c < kPackedCols, zero at c >= cols and
+// 2 kp + e >= K (the layout pack_vnni_blocks gives a frozen weight). A k pair is a 32-bit lane, so 16 rows
+// of 16 pairs are one 16 x 16 transpose: 64 shuffles for 16 lines. Each row's load asks for its line
+// kPackAheadPairs ahead into L2: without, the 32 rows' misses came a few at a time and the packing waited
+// on each (16 rows: 0.96-0.99x the NT tiles; with it 1.19x; 64 rows 1.25x -> 1.48x; one or two lines ahead
+// measured alike, a chunk or two ahead 2-5% slower). A prefetch past a row's end reads the next row's
+// start, or nothing: it never faults.
+constexpr int64_t kPackAheadPairs = 32;
+inline void pack_chunk_from_rows(const c10::BFloat16* w, int64_t ldw, int64_t cols, int64_t K, int64_t kp0,
+                                 int64_t kp1, c10::BFloat16* chunk) {
+  for (int64_t kp = kp0; kp < kp1; kp += 16) {
+    const int64_t k = 2 * kp;
+    const __mmask32 in_k = K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (K - k)) - 1;
+    const int lines = static_cast<int>(std::min<int64_t>(16, kp1 - kp));
+    for (int64_t c0 = 0; c0 < kPackedCols; c0 += 16) {
+      __m512i r[16];
+      for (int c = 0; c < 16; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (c0 + c) * ldw + k + 2 * kPackAheadPairs), _MM_HINT_T1);
+        r[c] = c0 + c < cols ? _mm512_maskz_loadu_epi16(in_k, w + (c0 + c) * ldw + k) : _mm512_setzero_si512();
+      }
+      transpose_16x16_epi32(r);
+      for (int i = 0; i < lines; ++i) _mm512_store_si512(chunk + (kp - kp0 + i) * 2 * kPackedCols + 2 * c0, r[i]);
+    }
+  }
+}
+
+// packed_block_bf16 over W's rows [0, cols) where they lie (ldw apart), kPackedChunk pairs packed at a time.
+inline void packed_block_from_rows(const c10::BFloat16* x, int64_t ldx, int64_t M, const c10::BFloat16* w,
+                                   int64_t ldw, int64_t K, int64_t cols, float* out, int64_t ldo) {
+  alignas(64) c10::BFloat16 chunk[kPackedChunk * 2 * kPackedCols];
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t kp0 = 0; kp0 < pairs; kp0 += kPackedChunk) {
+    const int64_t kp1 = std::min(pairs, kp0 + kPackedChunk);
+    pack_chunk_from_rows(w, ldw, cols, K, kp0, kp1, chunk);
+    packed_block_bf16<false>(x + 2 * kp0, ldx, M, chunk, std::min(K, 2 * kp1) - 2 * kp0, cols, out, ldo, kp0 > 0);
+  }
+}
 #else  // AVX2
 
 constexpr int64_t kPackedCols = 16;  // two 8-lane fp32 vectors of outputs per x row
@@ -324,5 +400,21 @@ inline void packed_task_rounded(int64_t block, const c10::BFloat16* x, int64_t l
     store_rows_rounded(tile, kPackedCols, rows, cols, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
   }
 }
+
+#if defined(__AVX512F__)
+// packed_task_rounded over nn.Linear's [N, K] weight where it lies (ldw apart), packed as the tiles go
+// (packed_block_from_rows): the same tasks, packed_tasks(N) column blocks, for M >= kRowsPackedOnTheFly.
+inline void packed_task_rounded_from_rows(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
+                                          const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K,
+                                          const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
+  const int64_t n0 = block * kPackedCols, cols = std::min(kPackedCols, N - n0);
+  alignas(64) float tile[kRoundedRows * kPackedCols];
+  for (int64_t m0 = 0; m0 < M; m0 += kRoundedRows) {
+    const int64_t rows = std::min(kRoundedRows, M - m0);
+    packed_block_from_rows(x + m0 * ldx, ldx, rows, w + n0 * ldw, ldw, K, cols, tile, kPackedCols);
+    store_rows_rounded(tile, kPackedCols, rows, cols, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
+  }
+}
+#endif
 
 }  // namespace mla_inductor
