@@ -13,7 +13,7 @@ from torch._inductor.utils import run_and_get_code
 import mla_inductor
 from graph_utils import greedy, rewritten, rewritten_and_run, static_cache_greedy_decode, tiny_gqa_model as tiny
 from mla_inductor import isa
-from mla_inductor.lowerings.segment_gemm import can_pack
+from mla_inductor.lowerings.segment_gemm import can_pack, packs_rows
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
 
 B, S, H, NQ, NKV, D = 2, 3, 96, 4, 2, 16
@@ -259,16 +259,18 @@ class ThreeLinears(torch.nn.Module):
 
 @pytest.mark.parametrize("freezing", [False, True])
 def test_template_three_weights_packed_under_freezing(freezing):
-    """Frozen bf16 weights are packed at compile time where the target has AVX512-BF16, one segment's VNNI
-    blocks after another; elsewhere the NT tiles read nn.Linear's layout."""
+    """Frozen bf16 weights are packed at compile time where the target can pack them (can_pack), one
+    segment's blocks after another; elsewhere the NT tiles read nn.Linear's layout, and on AVX-512 without
+    BF16 from 12 rows the weights are packed as the tiles go (packs_rows)."""
     module = ThreeLinears(torch.bfloat16, bias=True).eval()
-    for rows in (1, 5):
+    for rows in (1, 20):
         a = make_inputs(torch.bfloat16, seed=rows, batch=1, seq=rows)
         torch._dynamo.reset()
         with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
             out, (code,) = run_and_get_code(torch.compile(module), a["input"], a["cos"], a["sin"])
             expected = module(a["input"], a["cos"], a["sin"])
-        assert ("packed_task" in code) == (freezing and can_pack(torch.bfloat16))
+        assert ("mi::packed_task(" in code) == (freezing and can_pack(torch.bfloat16))
+        assert ("mi::packed_task_from_rows(" in code) == (not freezing and packs_rows(torch.bfloat16))
         torch.testing.assert_close(out, expected, atol=3e-2, rtol=2e-2)
 
 
@@ -352,7 +354,7 @@ def test_template_fused_weight(freezing):
     torch._dynamo.reset()
     with torch.no_grad(), torch._inductor.config.patch(freezing=freezing):
         out, (code,) = run_and_get_code(torch.compile(module), a["input"], a["cos"], a["sin"])
-    assert ("packed_task" in code) == (freezing and can_pack(torch.bfloat16))
+    assert ("mi::packed_task(" in code) == (freezing and can_pack(torch.bfloat16))
     torch.testing.assert_close(out.double(), fp64_of(a, False, (), "none", True), atol=5e-2, rtol=2e-2)
 
 

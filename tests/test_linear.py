@@ -11,7 +11,7 @@ from torch._inductor.utils import run_and_get_code
 import mla_inductor
 from graph_utils import fired, greedy, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
 from mla_inductor import benchmarking, isa
-from mla_inductor.lowerings.segment_gemm import can_pack
+from mla_inductor.lowerings.segment_gemm import can_pack, packs_rows
 
 
 def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
@@ -91,13 +91,12 @@ def check_over_rows(compiled, module, dtype, runs, not_runs):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_template_over_rows_strides_and_dtypes(dtype):
-    """One compile with the rows dynamic. bf16 on AVX-512 packs the weight as the tiles go from 12 rows
-    (packed_task_rounded_from_rows): K past one chunk of pairs and odd (the pair's zero pad), N a block and
-    a part."""
+    """One compile with the rows dynamic. bf16 on AVX-512 without BF16 packs the weight as the tiles go
+    from 12 rows (packed_task_rounded_from_rows): K past one chunk of pairs and odd (the pair's zero pad),
+    N a block and a part."""
     module = Linears(dtype, k=301)
     compiled = torch.compile(module, backend="mla_inductor", dynamic=True)
-    packs_rows = dtype == torch.bfloat16 and isa.at_least("avx512f", isa.target_isa())
-    runs = ("mi::nt_task_rounded",) + (("mi::packed_task_rounded_from_rows(",) if packs_rows else ())
+    runs = ("mi::nt_task_rounded",) + (("mi::packed_task_rounded_from_rows(",) if packs_rows(dtype) else ())
     check_over_rows(compiled, module, dtype, runs, "mi::packed_task_rounded(")
 
 

@@ -10,8 +10,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .template import FusedOpTemplate, guard_ints, realize_input, static_sizes, templates_serve
-from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, quantized_options, quantized_weights,
-                           scales_fit_tiles)
+from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, packs_rows, quantized_options,
+                           quantized_weights, scales_fit_tiles)
 
 OP = torch.ops.mla.qkv_projection.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -39,8 +39,11 @@ class QkvProjectionTemplate(FusedOpTemplate):
         scales = [options[f"w{i}_scales"] for i in range(len(self.segments))]
         return dict(quantize_x=options["quantize_x"], weight_scales=list(zip(self.scales, scales)))
 
+    def packs_rows(self) -> bool:
+        return self.inputs["WP"] is None and not self.quantized and packs_rows(self.inputs["X"].get_dtype())
+
     def headers(self) -> tuple[str, ...]:
-        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None or self.packs_rows() else ()
         rope = ("rope.h",) if self.inputs["COS"] is not None else ()
         quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
         return ("widen.h", "nt_dot.h") + quantized + packed + rope
@@ -64,6 +67,7 @@ class QkvProjectionTemplate(FusedOpTemplate):
             head_norm_eps=f"{float(self.head_norm_eps)!r}f",
             gemma_head_norms=self.head_norm_type == "gemma_rms_norm",
             output_layout=self.output_layout,
+            PACKS_ROWS=self.packs_rows(),
         )
 
 

@@ -9,9 +9,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from .. import isa
 from ..ops.linear import SUPPORTED_DTYPES
-from .segment_gemm import packed_weights
+from .segment_gemm import packed_weights, packs_rows
 from .template import FusedOpTemplate, realize_input, static_sizes, templates_serve
 
 OP = torch.ops.mla.linear.default
@@ -21,9 +20,7 @@ class LinearTemplate(FusedOpTemplate):
     template_file = "linear.cpp.j2"
 
     def packs_rows(self) -> bool:
-        """Whether an unfrozen weight is packed as the tiles go (packed_task_rounded_from_rows, AVX-512)."""
-        return (self.inputs["W"] is not None and self.inputs["X"].get_dtype() == torch.bfloat16
-                and isa.at_least("avx512f", isa.target_isa()))
+        return self.inputs["W"] is not None and packs_rows(self.inputs["X"].get_dtype())
 
     def headers(self) -> tuple[str, ...]:
         packed = ("packed_dot.h",) if self.inputs["WP"] is not None or self.packs_rows() else ()

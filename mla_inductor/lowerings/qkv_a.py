@@ -9,8 +9,8 @@ from torch._inductor import ir
 from torch._inductor import lowering as L
 
 from .template import FusedOpTemplate, cpp_rope_style, realize_input, static_sizes, templates_serve
-from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, quantized_options, quantized_weights,
-                           scales_fit_tiles)
+from .segment_gemm import (QUANTIZED_GEMM_HEADERS, packed_weights, packs_rows, quantized_options,
+                           quantized_weights, scales_fit_tiles)
 
 OP = torch.ops.mla.qkv_a_proj.default
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -26,8 +26,11 @@ class QkvAProjTemplate(FusedOpTemplate):
         self.quantized = quantized  # segment_gemm.quantized_weights
         self.q_eps, self.kv_eps = q_eps, kv_eps
 
+    def packs_rows(self) -> bool:
+        return self.inputs["WQ"] is not None and not self.quantized and packs_rows(self.inputs["X"].get_dtype())
+
     def headers(self) -> tuple[str, ...]:
-        packed = ("packed_dot.h",) if self.inputs["WP"] is not None else ()
+        packed = ("packed_dot.h",) if self.inputs["WP"] is not None or self.packs_rows() else ()
         rope = ("rope.h",) if self.inputs["K_COS"] is not None else ()
         quantized = QUANTIZED_GEMM_HEADERS if self.quantized else ()
         return ("widen.h", "nt_dot.h") + quantized + packed + rope
@@ -52,6 +55,7 @@ class QkvAProjTemplate(FusedOpTemplate):
             k_rope_style=cpp_rope_style(self.k_rope_style),
             q_eps=f"{self.q_eps!r}f",
             kv_eps=f"{self.kv_eps!r}f",
+            PACKS_ROWS=self.packs_rows(),
         )
 
 

@@ -136,6 +136,16 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and isa.at_least("avx2", isa.target_isa())
 
 
+def packs_rows(dtype: torch.dtype) -> bool:
+    """Whether the templates pack an unfrozen weight of `dtype` as their tiles go, from
+    kRowsPackedOnTheFly rows (packed_dot.h's *_from_rows tasks): bf16 where the C++ targets AVX-512
+    without AVX512-BF16, where each packed line widened once serves 8 x rows against the NT tiles' one
+    widening per FMA (1.44x at 64 rows of Llama-3-8B's MLP on a Cascade Lake Xeon, docs/linear.md). With
+    AVX512-BF16 the NT tiles multiply bf16 natively; on AVX2 the same packing tied the NT tiles
+    (measured and not kept, docs/linear.md)."""
+    return dtype == torch.bfloat16 and isa.target_isa() == "avx512f"
+
+
 def template_wins(rows: int, dtype: torch.dtype, amx_competes: bool = False, on_amx_tiles: bool = False) -> bool:
     """Whether a projection template over `rows` rows of `dtype` activations beats Inductor's own GEMM;
     `amx_competes`: that GEMM runs on oneDNN's AMX tiles where the CPU has them (MAX_ROWS_AMX);

@@ -402,8 +402,16 @@ inline void packed_task_rounded(int64_t block, const c10::BFloat16* x, int64_t l
 }
 
 #if defined(__AVX512F__)
-// packed_task_rounded over nn.Linear's [N, K] weight where it lies (ldw apart), packed as the tiles go
-// (packed_block_from_rows): the same tasks, packed_tasks(N) column blocks, for M >= kRowsPackedOnTheFly.
+// packed_task and packed_task_rounded over nn.Linear's [N, K] weight where it lies (ldw apart), packed as
+// the tiles go (packed_block_from_rows): the same tasks, packed_tasks(N) column blocks, for M >=
+// kRowsPackedOnTheFly.
+inline void packed_task_from_rows(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
+                                  const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K, float* out,
+                                  int64_t ldo) {
+  const int64_t n0 = block * kPackedCols;
+  packed_block_from_rows(x, ldx, M, w + n0 * ldw, ldw, K, std::min(kPackedCols, N - n0), out + n0, ldo);
+}
+
 inline void packed_task_rounded_from_rows(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
                                           const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K,
                                           const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
