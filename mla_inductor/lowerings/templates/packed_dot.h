@@ -235,8 +235,8 @@ inline void packed_block_bf16(const c10::BFloat16* x, int64_t ldx, int64_t M, co
 // NT tiles (nt_dot.h) read such a weight as it is, but widen an x or weight vector per FMA, where a packed
 // line, widened once, serves every x row of a row tile: from kRowsPackedOnTheFly rows the packing pays
 // for itself. Cascade Lake Xeon, mla::linear 4096 -> 14336 from memory, 2 threads, in-process A/B against
-// the NT tiles (docs/linear.md): 12 rows 1.11x, 16 rows 1.19x, 64 rows 1.48x; 8 rows 1.02x, 4 rows 0.80x
-// and one row 0.77x (there the weight stream is the cost, and the packing holds it up).
+// the NT tiles (docs/linear.md): 12 rows 1.11x, 16 rows 1.19x, 64 rows 1.48x; 8 rows 1.00-1.02x, 4 rows
+// 0.80x and one row 0.77x (there the weight stream is the cost, and the packing holds it up).
 constexpr int64_t kRowsPackedOnTheFly = 12;
 
 // The 16 x 16 matrix of 32-bit lanes in r transposed: r[i] lane j <- r[j] lane i.
@@ -280,8 +280,13 @@ inline void pack_chunk_from_rows(const c10::BFloat16* w, int64_t ldw, int64_t co
     for (int64_t c0 = 0; c0 < kPackedCols; c0 += 16) {
       __m512i r[16];
       for (int c = 0; c < 16; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + (c0 + c) * ldw + k + 2 * kPackAheadPairs), _MM_HINT_T1);
-        r[c] = c0 + c < cols ? _mm512_maskz_loadu_epi16(in_k, w + (c0 + c) * ldw + k) : _mm512_setzero_si512();
+        if (c0 + c >= cols) {
+          r[c] = _mm512_setzero_si512();
+          continue;
+        }
+        const c10::BFloat16* row = w + (c0 + c) * ldw;
+        _mm_prefetch(reinterpret_cast<const char*>(row + k + 2 * kPackAheadPairs), _MM_HINT_T1);
+        r[c] = _mm512_maskz_loadu_epi16(in_k, row + k);
       }
       transpose_16x16_epi32(r);
       for (int i = 0; i < lines; ++i) _mm512_store_si512(chunk + (kp - kp0 + i) * 2 * kPackedCols + 2 * c0, r[i]);
