@@ -390,20 +390,31 @@ inline void packed_task(int64_t block, const c10::BFloat16* x, int64_t ldx, int6
                     out + n0, ldo);
 }
 
-// packed_task with its sums rounded into y (row stride ldy), the bias (or null) added first, as
+// Column block `block`'s sums rounded into y (row stride ldy), the bias (or null) added first, as
 // nt_task_rounded: every x row passes over the block kRoundedRows at a time, their sums on the stack.
+// block_sums(m0, rows, n0, cols, tile) writes rows [m0, m0 + rows) of the block's columns [n0, n0 + cols)
+// into tile (rows kPackedCols apart).
 constexpr int64_t kRoundedRows = 64;
-inline void packed_task_rounded(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
-                                const c10::BFloat16* packed, int64_t N, int64_t K, const c10::BFloat16* bias,
-                                c10::BFloat16* y, int64_t ldy) {
+template <typename BlockSums>
+inline void rounded_block(int64_t block, int64_t M, int64_t N, const c10::BFloat16* bias, c10::BFloat16* y,
+                          int64_t ldy, BlockSums&& block_sums) {
   const int64_t n0 = block * kPackedCols, cols = std::min(kPackedCols, N - n0);
-  const c10::BFloat16* weights = packed + block * packed_block_elems(K);
   alignas(64) float tile[kRoundedRows * kPackedCols];
   for (int64_t m0 = 0; m0 < M; m0 += kRoundedRows) {
     const int64_t rows = std::min(kRoundedRows, M - m0);
-    packed_block_bf16(x + m0 * ldx, ldx, rows, weights, K, cols, tile, kPackedCols);
+    block_sums(m0, rows, n0, cols, tile);
     store_rows_rounded(tile, kPackedCols, rows, cols, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
   }
+}
+
+// packed_task with its sums rounded into y (rounded_block).
+inline void packed_task_rounded(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
+                                const c10::BFloat16* packed, int64_t N, int64_t K, const c10::BFloat16* bias,
+                                c10::BFloat16* y, int64_t ldy) {
+  const c10::BFloat16* weights = packed + block * packed_block_elems(K);
+  rounded_block(block, M, N, bias, y, ldy, [&](int64_t m0, int64_t rows, int64_t, int64_t cols, float* tile) {
+    packed_block_bf16(x + m0 * ldx, ldx, rows, weights, K, cols, tile, kPackedCols);
+  });
 }
 
 #if defined(__AVX512F__)
@@ -420,13 +431,9 @@ inline void packed_task_from_rows(int64_t block, const c10::BFloat16* x, int64_t
 inline void packed_task_rounded_from_rows(int64_t block, const c10::BFloat16* x, int64_t ldx, int64_t M,
                                           const c10::BFloat16* w, int64_t ldw, int64_t N, int64_t K,
                                           const c10::BFloat16* bias, c10::BFloat16* y, int64_t ldy) {
-  const int64_t n0 = block * kPackedCols, cols = std::min(kPackedCols, N - n0);
-  alignas(64) float tile[kRoundedRows * kPackedCols];
-  for (int64_t m0 = 0; m0 < M; m0 += kRoundedRows) {
-    const int64_t rows = std::min(kRoundedRows, M - m0);
+  rounded_block(block, M, N, bias, y, ldy, [&](int64_t m0, int64_t rows, int64_t n0, int64_t cols, float* tile) {
     packed_block_from_rows(x + m0 * ldx, ldx, rows, w + n0 * ldw, ldw, K, cols, tile, kPackedCols);
-    store_rows_rounded(tile, kPackedCols, rows, cols, bias ? bias + n0 : nullptr, y + m0 * ldy + n0, ldy);
-  }
+  });
 }
 #endif
 
