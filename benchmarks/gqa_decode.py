@@ -11,10 +11,11 @@ rows (a StaticCache three quarters full): the roofline is the larger of those ro
 the copy bandwidth (the bytes any kernel must read) and the FLOPs over them at the GEMM throughput.
 Prints medians; asserts nothing.
 
-    python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096] [--heads 32]
+    python benchmarks/gqa_decode.py [--layers 2] [--batch 8] [--context 4096] [--heads 32] [--kv-heads 8]
 
 --heads 64 or 128 gives groups of 8 or 16 query heads per key/value head (Llama-70B's is 8); AMX CPUs
-run groups of 16 on tiles.
+run groups of 16 on tiles. --kv-heads 32 is multi-head attention (Llama-2-7B, Phi-3-mini: groups of
+one), where repeat_kv and enable_gqa leave plain SDPA.
 """
 
 import argparse
@@ -29,7 +30,7 @@ from mla_inductor.ops.gqa_decode import packed_attention  # eager transformers' 
 # The pattern's search functions are the model code: repeat_kv, enable_gqa.
 from mla_inductor.patterns.gqa_decode import grouped, repeated
 
-KV_HEADS, HEAD_DIM = 8, 128
+HEAD_DIM = 128
 
 
 def main():
@@ -38,14 +39,15 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--heads", type=int, default=32, help="query heads, a multiple of the 8 key/value heads")
+    p.add_argument("--heads", type=int, default=32, help="query heads, a multiple of the key/value heads")
+    p.add_argument("--kv-heads", type=int, default=8)
     args = p.parse_args()
     benchmarking.fresh_compiles()
     dtype = torch.bfloat16
     q = torch.randn(args.batch, args.heads, 1, HEAD_DIM).to(dtype)
     caches = [
-        (torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype),
-         torch.randn(args.batch, KV_HEADS, args.context, HEAD_DIM).to(dtype))
+        (torch.randn(args.batch, args.kv_heads, args.context, HEAD_DIM).to(dtype),
+         torch.randn(args.batch, args.kv_heads, args.context, HEAD_DIM).to(dtype))
         for _ in range(args.layers)
     ]
     admitted = args.context * 3 // 4  # a StaticCache three quarters full
@@ -54,7 +56,7 @@ def main():
     mask = mask.to(dtype)
     scale = HEAD_DIM**-0.5
 
-    module = types.SimpleNamespace(num_key_value_groups=args.heads // KV_HEADS, training=False)
+    module = types.SimpleNamespace(num_key_value_groups=args.heads // args.kv_heads, training=False)
 
     def written_out(q, k, v, mask, scale):  # [B, 1, H, d] as transformers' callers take it; [B, H, 1, d] here
         return eager_attention_forward(module, q, k, v, mask, scale)[0].transpose(1, 2)
@@ -91,7 +93,7 @@ def main():
     admitted_bytes = cache_bytes * admitted // args.context
     flops = 2 * args.layers * args.batch * args.heads * admitted * 2 * HEAD_DIM  # q.K and p.V
     roofline = max(admitted_bytes / bandwidth, flops / throughput)
-    print(f"\n## B={args.batch}, {args.heads} query over {KV_HEADS} key/value heads of {HEAD_DIM}, {args.context} rows "
+    print(f"\n## B={args.batch}, {args.heads} query over {args.kv_heads} key/value heads of {HEAD_DIM}, {args.context} rows "
           f"({admitted} admitted by the mask), bf16, {args.layers} layers x {cache_bytes / args.layers / 2**20:.0f} MiB "
           f"of K and V; fired {fired}/3; max |variant - eager packed| {error:.3g}; in the rounds copy "
           f"{bandwidth / 1e9:.1f} GB/s and {isa.roof_gemm_name(dtype)} GEMM {throughput / 1e9:.0f} GFLOP/s; "

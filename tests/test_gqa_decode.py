@@ -1,6 +1,7 @@
 """gqa_decode: grouped-query decode attention packed onto the key/value heads: the op, its
 flash-decoding template, and the pattern on serving-style code and on transformers Llama / Qwen2."""
 
+import copy
 import functools
 
 import expecttest
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 import transformers
 
 import mla_inductor
-from graph_utils import greedy, rewritten, static_cache_greedy_decode, tiny_gqa_model
+from graph_utils import (declined, fired, greedy, rewrite_and_run, rewritten, static_cache_greedy_decode,
+                         tiny_gqa_model)
 from torch._inductor.utils import run_and_get_code
 from mla_inductor.patterns.gqa_decode import repeat_kv
 
@@ -94,7 +96,7 @@ OP_CASES = [
     (1, 8, 4, 300, 128, 128, [300]),
     (3, 2, 3, 129, 64, 32, [129, 1, 0]),
     (2, 1, 5, 1000, 24, 24, [1000, 257]),
-    (4, 2, 2, 17, 128, 128, [17, 16, 15, 1]),
+    (4, 2, 1, 17, 128, 128, [17, 16, 15, 1]),  # multi-head attention: groups of one
 ]
 
 
@@ -162,27 +164,59 @@ def test_every_form_fires_and_matches_fp64(dtype):
         assert (ours.double() - expected).abs().max() <= 2 * (theirs.double() - expected).abs().max() + 1e-6
 
 
+def multi_head_forms(q, k, v, visible):
+    """Multi-head decode attention through SDPA (Llama-2, Phi-3-mini, GPT-NeoX): groups of one."""
+    additive = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+    return (
+        F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=SCALE),
+        F.scaled_dot_product_attention(q, k, v, attn_mask=additive),
+        F.scaled_dot_product_attention(q, k, v),
+    )
+
+
+def test_multi_head_forms_fire_and_match_fp64():
+    q, _, _, visible = make_inputs(torch.bfloat16)
+    k, v = (torch.randn(BATCH, HEADS, ROWS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).bfloat16()
+            for _ in range(2))
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
+    with torch.no_grad():
+        eager = multi_head_forms(q, k, v, visible)
+        compiled, (code,) = run_and_get_code(torch.compile(multi_head_forms, backend="mla_inductor"), q, k, v, visible)
+    assert mla_inductor.fusion_counts()["gqa_decode"] == 3
+    assert "mi::attend_split" in code
+    assert "torch.ops.mla" not in code and "aten._scaled_dot_product" not in code  # no fallback, no SDPA
+    masks = (visible, visible, None)
+    for ours, theirs, mask, scale in zip(compiled, eager, masks, (SCALE, HEAD_DIM**-0.5, HEAD_DIM**-0.5)):
+        expected = masked_fp64(q, k, v, mask, scale)
+        torch.testing.assert_close(ours.double(), expected, atol=1e-2, rtol=1e-2)
+        assert (ours.double() - expected).abs().max() <= 2 * (theirs.double() - expected).abs().max() + 1e-6
+
+
 def test_where_it_must_not_fire():
-    """Several query rows (prefill), a mask per head, a causal flag (top-left aligned: it would admit
-    other rows once the heads are rows) and plain multi-head attention stay as written."""
+    """Several query rows (prefill), a mask per head (grouped, or ALiBi's bias over multi-head attention)
+    and a causal flag (top-left aligned: it would admit other rows once the heads are rows) stay as
+    written."""
     q, k, v, visible = make_inputs(torch.float32)
     prefill_q = make_inputs(torch.float32, query_rows=4)[0]
     per_head = visible.expand(BATCH, HEADS, 1, ROWS)
+    k_mha, v_mha = repeat_kv(k, N_REP).contiguous(), repeat_kv(v, N_REP).contiguous()
+    alibi = -torch.arange(HEADS, dtype=torch.float32)[:, None, None] * torch.arange(ROWS).flip(0)  # [H, 1, T]
 
-    def fn(q, prefill_q, k, v, per_head):
+    def fn(q, prefill_q, k, v, per_head, k_mha, v_mha, alibi):
         return (
             F.scaled_dot_product_attention(prefill_q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), scale=SCALE),
             F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), attn_mask=per_head),
             F.scaled_dot_product_attention(q, repeat_kv(k, N_REP), repeat_kv(v, N_REP), is_causal=True),
-            F.scaled_dot_product_attention(q, q, q),
+            F.scaled_dot_product_attention(q, k_mha, v_mha, attn_mask=alibi[None]),
         )
 
-    result = mla_inductor.explain(fn, q, prefill_q, k, v, per_head, verbose=False)
+    result = mla_inductor.explain(fn, q, prefill_q, k, v, per_head, k_mha, v_mha, alibi, verbose=False)
     assert result.counts()["gqa_decode"] == 0
     reasons = "\n".join(e.reason for e in result.rejected if e.fusion == "gqa_decode")
     assert "4 query rows" in reasons
-    assert "differs between heads" in reasons
-    assert "6 query heads over 6 key and 6 value heads" in reasons
+    assert "mask [3, 6, 1, 37] differs between heads" in reasons
+    assert "mask [1, 6, 1, 37] differs between heads" in reasons
 
 
 def test_not_when_switched_off():
@@ -217,6 +251,29 @@ def test_qwen2_dynamic_cache_decode_fires_as_the_cache_grows():
     _, logits = greedy(model, cache, prompt, 4, compiled)
     assert mla_inductor.fusion_counts()["gqa_decode"] == 4  # two layers, in the static and the dynamic graph
     torch.testing.assert_close(logits.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch, attention", [("phi3", "sdpa"), ("gpt_neox", "sdpa"), ("phi3", "eager")])
+def test_multi_head_static_cache_decode_fires_per_layer(arch, attention):
+    """Multi-head models as transformers writes them (Phi-3-mini's fused qkv_proj, GPT-NeoX's partial
+    rotary and fused [heads, 3, d] projection; SDPA, or the eager attention's math read by the anchored
+    match): one query row over the StaticCache, groups of one."""
+    config = transformers.AutoConfig.for_model(
+        arch, vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1)),
+              past_key_values=cache)
+    ids, pos = torch.tensor([[3], [5]]), torch.full((2, 1), 6)
+    with torch.no_grad():
+        expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=pos).logits
+    step = lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits  # noqa: E731
+    out, events = rewrite_and_run(step, ids, pos)
+    assert fired(events, "gqa_decode") == config.num_hidden_layers, declined(events, "gqa_decode")
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 class TestRewrite(expecttest.TestCase):

@@ -14,6 +14,10 @@ compiled graphs, each written below as the model code it matches:
 - attention written out, without SDPA: transformers' `eager_attention_forward` (attn_implementation=
   "eager", and the only attention of Gemma-2, whose logits are softcapped), serving code's own
   `q @ k.transpose(-1, -2)`, einsums. The anchored match below reads its math, whatever the spelling.
+- multi-head attention, groups of one: SDPA of one query row over as many key/value heads (Llama-2,
+  Phi-3-mini, GPT-NeoX, OLMo). Nothing is repeated, but ATen's CPU flash attention runs one query row
+  at a fraction of the memory's rate where bf16 is not native (docs/gqa_decode.md), and reads a
+  StaticCache's unfilled tail.
 All become `mla::gqa_decode_attention` (ops/gqa_decode.py), which reads each key/value row once for
 all its query heads: a flash-decoding template that skips the blocks of rows the mask excludes (a
 StaticCache's unfilled tail), or, where the template cannot serve, SDPA of the packed query.
@@ -65,6 +69,8 @@ def repeated(query, key, value, mask, scale):
 
 
 def grouped(query, key, value, mask, scale):
+    """Also multi-head SDPA (enable_gqa is no argument of ATen's CPU flash attention: both trace alike).
+    Registered after `repeated`, whose graphs it would match with repeat_kv's copies bound as the cache."""
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
@@ -91,7 +97,7 @@ def check(match: Match) -> Optional[str]:
     if not statically_known_true(query.shape[2] == 1):
         return f"{query.shape[2]} query rows: packing heads into rows is for one query row (decode)"
     heads, kv_heads = query.shape[1], key.shape[1]
-    if value.shape[1] != kv_heads or heads == kv_heads or heads % kv_heads != 0:
+    if value.shape[1] != kv_heads or heads % kv_heads != 0:
         return f"{heads} query heads over {kv_heads} key and {value.shape[1]} value heads: not grouped-query attention"
     if mask is not None:
         # The packed query's rows are heads: a mask must be the same for every head of the row.
@@ -150,7 +156,7 @@ _ORDER = ("request", "kv_head", "group")
 
 def _score_roles(c: contraction.Contraction, query_is_a: bool) -> dict:
     """Axis -> role of the score contraction, by which operand each axis is a factor of. Unsupported
-    where the scores are not a grouped query's (multi-head attention, one query for all heads)."""
+    where the scores are not attention's of one query row per head (one query for all heads)."""
     roles, cache_batch, query_free, groups = {}, [], [], []
     for axis, (fa, fb, _) in c.axes.items():
         fc = fb if query_is_a else fa
@@ -170,6 +176,13 @@ def _score_roles(c: contraction.Contraction, query_is_a: bool) -> dict:
     def query_dim(axis):
         return c.axes[axis][0 if query_is_a else 1].label
 
+    if not groups and not query_free:  # multi-head attention: groups of one
+        if not cache_batch or len(cache_batch) > 2:
+            raise contraction.Unsupported("not one query row per request and head")
+        # the outer of two batch axes is the request (a mask's), the inner the heads, as SDPA has them; one
+        # alone is a request (with groups of one, every request and head attends on its own)
+        request, *kv_head = sorted(cache_batch, key=query_dim)
+        return {**roles, request: "request", **{axis: "kv_head" for axis in kv_head}}
     if not groups:  # the packed form: the query's heads split into key/value heads x a free group axis
         packed = [a for a in query_free if any(query_dim(a) == query_dim(b) for b in cache_batch)]
         if len(query_free) != 1 or len(packed) != 1:
@@ -291,8 +304,8 @@ def _cache_factors(c: contraction.Contraction, of_a: bool, roles: dict) -> dict:
 
 
 def _role_sizes(c: contraction.Contraction, roles: dict) -> dict:
-    """Role -> its extent: the product of its axes' sizes (a request or key/value head absent: 1)."""
-    sizes = {"request": 1, "kv_head": 1}
+    """Role -> its extent: the product of its axes' sizes (a request, key/value head or group absent: 1)."""
+    sizes = {"request": 1, "kv_head": 1, "group": 1}
     for role in set(roles.values()):
         sizes[role] = math.prod(size for axis, (_, _, size) in c.axes.items() if roles[axis] == role)
     return sizes

@@ -7,7 +7,7 @@ mask, softmax in fp32 and back; Gemma-2's logit softcap), and from the ways serv
 same step: the query split into key/value heads x groups over caches [B, T, kv_heads, d] or over
 pages gathered by a block table, einsum or `@`, `repeat_interleave` or a `repeat` that tiles the heads the other way round, the mask by
 masked_fill or where, the scale on the scores or as a division, multi-query attention (one key/value
-head).
+head), and multi-head attention (groups of one: as many key/value heads as query heads).
 """
 
 from __future__ import annotations
@@ -139,20 +139,36 @@ def multi_query(query, key, value, seq_lens):
     return (scores.softmax(-1) @ v).squeeze(2)
 
 
+def multi_head_eager(query, key, value, attention_mask):
+    """transformers' eager_attention_forward of a multi-head model (Llama-2, Phi-3-mini): repeat_kv
+    returns its input for groups of one."""
+    attn_weights = torch.matmul(query, key.transpose(2, 3)) * SCALE + attention_mask[:, :, :, : key.shape[-2]]
+    attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(attn_weights, value).transpose(1, 2).contiguous()
+
+
+def multi_head_token_major(query, key_nhd, value_nhd, seq_lens):
+    """Serving style, multi-head: caches [B, rows, heads, d], einsums, the lengths by masked_fill."""
+    scores = torch.einsum("bhd,bthd->bht", query, key_nhd) * SCALE
+    scores = scores.masked_fill(~valid_rows(seq_lens)[:, None, :], float("-inf"))
+    return torch.einsum("bht,bthd->bhd", scores.softmax(-1), value_nhd)
+
+
 SPELLINGS = {fn.__name__: fn for fn in (
     transformers_eager, gemma2_softcap, repeat_interleave_einsum, packed_heads_token_major, paged_gather, tiled_heads,
-    multi_query,
+    multi_query, multi_head_eager, multi_head_token_major,
 )}
+MULTI_HEAD = ("multi_head_eager", "multi_head_token_major")
 
 
 def inputs_for(name: str, dtype=torch.float32) -> Inputs:
-    return make_inputs(dtype, kv_heads=1 if name == "multi_query" else KV_HEADS)
+    return make_inputs(dtype, kv_heads=1 if name == "multi_query" else HEADS if name in MULTI_HEAD else KV_HEADS)
 
 
 def spelling_args(name: str, inputs: Inputs) -> tuple:
     """The arguments each spelling takes, in its layouts."""
     x = inputs
-    if name == "packed_heads_token_major":
+    if name in ("packed_heads_token_major", "multi_head_token_major"):
         return x.query.squeeze(2), x.key.transpose(1, 2).contiguous(), x.value.transpose(1, 2).contiguous(), x.seq_lens
     if name == "paged_gather":  # the rows of x's caches in pages, in shuffled order, two pages unused
         blocks = x.batch * ROWS // BLOCK_SIZE
@@ -194,10 +210,10 @@ def reference_fp64(inputs: Inputs, name: str) -> torch.Tensor:
             if name == "gemma2_softcap":
                 scores = SOFTCAP * torch.tanh(scores / SOFTCAP)
             out[b, h] = torch.softmax(scores, 0) @ x.value[b, kv, :n].double()
-    if name in ("transformers_eager", "gemma2_softcap"):
+    if name in ("transformers_eager", "gemma2_softcap", "multi_head_eager"):
         return out[:, None]  # [B, 1, H, v]
     if name in ("packed_heads_token_major", "paged_gather"):
         return out.reshape(x.batch, HEADS * V_DIM)
-    if name == "multi_query":
+    if name in ("multi_query", "multi_head_token_major"):
         return out
     return out[:, :, None]  # [B, H, 1, v]

@@ -36,7 +36,7 @@ def test_spelling_fires_and_is_no_less_accurate_than_eager(name, dtype):
 # One spelling per way of reading the caches (gemma2_softcap and repeat_interleave_einsum read them as
 # transformers_eager does)
 @pytest.mark.parametrize("name", ["transformers_eager", "packed_heads_token_major", "paged_gather", "tiled_heads",
-                                  "multi_query"])
+                                  "multi_query", "multi_head_token_major"])
 def test_spelling_fires_with_dynamic_batch_and_rows(name):
     """As a server compiles it (or a DynamicCache's growing length): symbolic batch and rows."""
     args = gd.mark_dynamic(gd.spelling_args(name, gd.inputs_for(name)))
@@ -73,9 +73,9 @@ def test_reference_is_independent_of_the_spellings():
 # --- where it must not fire -------------------------------------------------------------------------
 
 
-def _multi_head(query, key, value, mask):
-    """As many key/value heads as query heads: nothing to group (not a candidate)."""
-    return torch.softmax(query @ key.transpose(-1, -2) * gd.SCALE + mask, -1) @ value
+def _alibi_multi_head(query, key, value, bias):
+    """Multi-head attention with a bias per head (ALiBi: BLOOM, MPT, Falcon's alibi variants)."""
+    return torch.softmax(query @ key.transpose(-1, -2) * gd.SCALE + bias, -1) @ value
 
 
 def _prefill(query, key, value, mask):
@@ -107,7 +107,7 @@ def _not_firing_cases():
     per_head = torch.randn(batch, gd.HEADS, 1, gd.ROWS)
     full = gd.make_inputs(torch.float32, kv_heads=gd.HEADS)
     return {
-        "multi_head": (_multi_head, (full.query, full.key, full.value, mask), None),
+        "alibi_multi_head": (_alibi_multi_head, (full.query, full.key, full.value, per_head), "differs between heads"),
         "prefill": (_prefill, (torch.randn(batch, gd.HEADS, 2, gd.HEAD_DIM), x.key, x.value, causal), "prefill"),
         "mask_per_head": (_mask_per_head, (x.query, x.key, x.value, per_head), "differs between heads"),
         "values_per_head": (_values_per_head, (x.query, x.key, torch.randn(batch, gd.HEADS, gd.ROWS, gd.V_DIM), mask),
@@ -116,7 +116,7 @@ def _not_firing_cases():
     }
 
 
-@pytest.mark.parametrize("case", ["multi_head", "prefill", "mask_per_head", "values_per_head", "classifier"])
+@pytest.mark.parametrize("case", ["alibi_multi_head", "prefill", "mask_per_head", "values_per_head", "classifier"])
 def test_where_it_must_not_fire(case):
     fn, args, reason = _not_firing_cases()[case]
     out, events = rewrite_and_run(fn, *args)
