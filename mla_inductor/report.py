@@ -63,7 +63,7 @@ TIMING_BUDGET_S = 120.0
 class LlamaShape:
     """A Llama-3-8B-shaped transformers LlamaForCausalLM (GQA: 32 query heads, 8 key/value heads of 128)
     for the gqa_qkv fusion; each layer holds 436 MiB of bf16 weights, MLP included. `family` "qwen3"
-    makes it a Qwen3ForCausalLM (a norm per q and k head)."""
+    makes it a Qwen3ForCausalLM (a norm per q and k head); "llama2" is Llama-2-7B's multi-head shape."""
 
     name: str = "llama-3-8b"
     family: str = "llama"
@@ -79,11 +79,13 @@ class LlamaShape:
 TINY_LLAMA = LlamaShape(name="tiny-llama", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                         intermediate_size=512, vocab_size=512)
 QWEN3 = LlamaShape(name="qwen3-8b", family="qwen3", intermediate_size=12288)  # Qwen3-8B's attention shape
+# Llama-2-7B: multi-head attention (gqa_decode's groups of one), 32 heads over 32 key/value heads
+LLAMA2 = LlamaShape(name="llama-2-7b", family="llama2", num_kv_heads=32, intermediate_size=11008)
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str  # "serving", "hf" (transformers DeepseekV3), "llama" or "qwen3" (transformers Llama, Qwen3)
+    model: str  # "serving", "hf" (transformers DeepseekV3), "llama", "llama2" or "qwen3" (transformers')
     phase: str  # "decode" or "prefill"
     batch: int
     context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
@@ -223,6 +225,7 @@ def llama_workload(shape: LlamaShape, case: Case, dtype: torch.dtype, seed: int 
     import transformers
 
     config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "llama2": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
                              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[shape.family]
     config = config_cls(
         vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
@@ -287,7 +290,8 @@ def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
 ) -> dict:
-    builders = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "qwen3": llama_workload}
+    builders = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "llama2": llama_workload,
+                "qwen3": llama_workload}
     build = builders[case.model]
     workload = build(config, case, dtype)
     fns, counts = {}, {}
@@ -384,8 +388,8 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
-    # all: the DeepSeek models and Llama; Qwen3 (gqa_qkv with head norms) when named
-    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "qwen3", "all"), default=["all"])
+    # all: the DeepSeek models and Llama; Qwen3 (gqa_qkv with head norms) and Llama-2 (multi-head) when named
+    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "llama2", "qwen3", "all"), default=["all"])
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
@@ -412,7 +416,8 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
     every = ("serving", "hf", "llama") if "all" in args.model else ()
     models = tuple(dict.fromkeys(every + tuple(m for m in args.model if m != "all")))
     if args.quant != "none":
-        unquantized = {"int8": ("serving",), "w8a8": (), "fp8": ("llama", "qwen3")}[args.quant]  # no such form
+        # no such form
+        unquantized = {"int8": ("serving",), "w8a8": (), "fp8": ("llama", "llama2", "qwen3")}[args.quant]
         for model in unquantized:
             if model in args.model:
                 raise SystemExit(f"--quant {args.quant}: the {model} model has no such form")
@@ -429,9 +434,12 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
 
 
 def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> MLAConfig | LlamaShape:
-    if model in ("llama", "qwen3"):  # two layers hold 872 MiB already
-        shape = TINY_LLAMA if args.quick else dataclasses.replace(QWEN3 if model == "qwen3" else LlamaShape(),
-                                                                  vocab_size=args.vocab)
+    if model in ("llama", "llama2", "qwen3"):  # two layers hold 872 MiB already
+        if args.quick:
+            shape = TINY_LLAMA if model != "llama2" else dataclasses.replace(TINY_LLAMA, num_kv_heads=TINY_LLAMA.num_heads)
+        else:
+            full = {"llama": LlamaShape(), "llama2": LLAMA2, "qwen3": QWEN3}[model]
+            shape = dataclasses.replace(full, vocab_size=args.vocab)
         return dataclasses.replace(shape, num_layers=args.layers or 2, family=model)
     if args.quick:
         return get_config("tiny")

@@ -74,10 +74,10 @@ def test_every_quick_workload_runs_eagerly(quant):
     """What the compiled test above leaves out: every model and phase of `--quick` builds its workload,
     whose step runs (eagerly: the compiled step is the same function) and repeats after each reset, as
     the report calls it."""
-    models = ["all"] if quant == "fp8" else ["all", "qwen3"]  # Qwen3 has no fp8 form
+    models = ["all"] if quant == "fp8" else ["all", "qwen3", "llama2"]  # Qwen3 and Llama-2 have no fp8 form
     args = report.parse_args(["--quick", "--quant", quant, "--model", *models])
     builders = {"serving": report.serving_workload, "hf": report.hf_workload, "llama": report.llama_workload,
-                "qwen3": report.llama_workload}
+                "llama2": report.llama_workload, "qwen3": report.llama_workload}
     for case in report.build_cases(args):
         workload = builders[case.model](report.model_config(args, case.model, torch.bfloat16), case, torch.bfloat16)
         assert workload.weight_bytes > 0 and workload.flops > 0, case.label
