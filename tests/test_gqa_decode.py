@@ -1,5 +1,6 @@
 """gqa_decode: grouped-query decode attention packed onto the key/value heads: the op, its
-flash-decoding template, and the pattern on serving-style code and on transformers Llama / Qwen2."""
+flash-decoding template, and the pattern on serving-style code and on transformers Llama / Qwen2 (and
+multi-head models, groups of one: Phi-3, GPT-NeoX)."""
 
 import copy
 import functools
