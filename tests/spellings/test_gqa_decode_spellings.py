@@ -62,6 +62,24 @@ def test_a_float_scale_that_dynamo_passes_as_a_tensor_is_folded_into_the_query()
     torch.testing.assert_close(out, _scale_argument(*args), atol=1e-5, rtol=1e-5)
 
 
+def _one_head(query, key, value, seq_lens):
+    """One head per request (the cache's only batch axis is the request): q [B, d], caches [B, T, d]."""
+    scores = torch.einsum("bd,btd->bt", query, key) * gd.SCALE
+    scores = scores.masked_fill(~gd.valid_rows(seq_lens), float("-inf"))
+    return torch.einsum("bt,btd->bd", scores.softmax(-1), value)
+
+
+def test_one_head_per_request_reads_the_batch_axis_as_the_request():
+    """Multi-head attention's lone batch axis is the request, so a mask per request is admitted."""
+    x = gd.make_inputs(torch.float32, kv_heads=gd.HEADS)
+    args = (x.query[:, 0, 0], x.key[:, 0], x.value[:, 0], x.seq_lens)
+    out, events = rewrite_and_run(_one_head, *args)
+    assert fired(events, "gqa_decode") == 1, declined(events, "gqa_decode")
+    expected = torch.stack([torch.softmax(x.key[b, 0, :n].double() @ x.query[b, 0, 0].double() * gd.SCALE, 0)
+                            @ x.value[b, 0, :n].double() for b, n in enumerate(x.seq_lens.tolist())])
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 def test_reference_is_independent_of_the_spellings():
     """reference_fp64 against the op's own reference (SDPA on the packed query) at fp32."""
     x = gd.make_inputs(torch.float32)
