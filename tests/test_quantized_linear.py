@@ -478,6 +478,20 @@ def test_torchao_dynamic_int8_linear_becomes_the_canonical_form_and_back(vnni, m
         torch.testing.assert_close(out, linear(x), atol=0, rtol=0)
 
 
+def test_w8a8_linear_after_a_gated_product_reads_that_product():
+    """Phi-3's MLP under torchao's W8A8: down_proj quantizes `up * silu(gate)`, a mul over rows of the
+    same width as the quantizer's own muls, of two halves of gate_up_proj's output. x is that product
+    (walking on to `up` left gate's half outside the chain: a KeyError that stopped the compile)."""
+    config = transformers.Phi3Config(hidden_size=64, intermediate_size=48)
+    mlp = transformers.models.phi3.modeling_phi3.Phi3MLP(config).to(torch.bfloat16)
+    quantize_(mlp, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    found, out = canonicalized_and_restored(mlp, x)
+    assert found == [(None, "int8_torchao")] * 2
+    with torch.no_grad():
+        torch.testing.assert_close(out, mlp(x), atol=0, rtol=0)
+
+
 def test_an_activation_scheme_of_neither_anchor_is_not_w8a8():
     """Activations quantized by another rule (here absmax / 126) are another op: not canonicalized."""
     weight, scale = quantize_weight_int8(torch.randn(48, 64))

@@ -375,16 +375,18 @@ _EPILOGUE_OPS = (prims.convert_element_type.default, aten.mul.Tensor, aten.sub.T
 _ACTIVATION_QUANT = "mla_activation_quant"  # node.meta key of a dequantize_weight: its Linear's x is quantized
 
 
-def _quantizer_input(quantized: Node) -> Optional[Node]:
-    """The floating tensor an 8-bit GEMM operand [M, K] was quantized from: the farthest node back
-    along the quantizer's first arguments that holds rows of K (x itself, or x flattened)."""
-    found, node = None, quantized
+def _quantizer_inputs(quantized: Node) -> list[Node]:
+    """The floating tensors an 8-bit GEMM operand [M, K] may have been quantized from, farthest first:
+    the nodes back along the quantizer's first arguments that hold rows of K (x itself, or x flattened).
+    The farthest is not always x: the model's own ops before the quantizer may be of its kinds (Phi-3's
+    `up * silu(gate)` is a mul over rows of K), which _w8a8_linears tells by the chain's inputs."""
+    found, node = [], quantized
     k = quantized.meta["val"].shape[-1]
     while isinstance(node, Node) and node.op == "call_function" and node.target in _QUANTIZER_OPS:
         node = node.args[0]
         val = node.meta.get("val") if isinstance(node, Node) else None
         if isinstance(val, torch.Tensor) and val.is_floating_point() and val.dim() >= 2 and val.shape[-1] == k:
-            found = node
+            found.insert(0, node)
     return found
 
 
@@ -442,6 +444,24 @@ def _w8a8_scheme(chain: Origin, x: Node, weight: Node, scale: Node) -> Optional[
     return _probed(chain, (x, weight, scale), identify)
 
 
+def _w8a8_chain(end: Node, candidates: list[Node], weight: Node,
+                factors: list[Node]) -> Optional[tuple[Node, Node, list[Node]]]:
+    """(x, the weight's scale, the nodes from x to `end`) of the farthest candidate x from which the
+    Linear's nodes read nothing but x, the weight and one per-channel scale; or None."""
+    for x in candidates:
+        while _noop_view(x):
+            x = x.args[0]
+        scales = [a for f in factors for a in _graph_inputs(f) if a is not weight and x not in _ancestors(f)]
+        if len(scales) != 1 or _per_channel_scale(scales[0], weight.meta["val"].shape[0]) is None:
+            continue
+        before_x = set(_ancestors(x))
+        members = [n for n in _ancestors(end) if n.op == "call_function" and n not in before_x]
+        readable = {x, weight, scales[0], *members}
+        if all(a in readable for n in members for a in n.all_input_nodes):
+            return x, scales[0], members
+    return None
+
+
 def _w8a8_linears(graph: Graph) -> int:
     rewritten = 0
     for node in list(graph.nodes):
@@ -449,26 +469,21 @@ def _w8a8_linears(graph: Graph) -> int:
             continue
         quantized, transposed = node.args
         weight = transposed.args[0] if transposed.target is aten.permute.default and list(transposed.args[1]) == [1, 0] else None
-        x = _quantizer_input(quantized)
-        if weight is None or _int8_weight(weight) is None or weight.op not in GRAPH_INPUT_OPS or x is None:
+        candidates = _quantizer_inputs(quantized)
+        if weight is None or _int8_weight(weight) is None or weight.op not in GRAPH_INPUT_OPS or not candidates:
             continue
-        found = _w8a8_epilogue(node, x.meta["val"].dtype)
+        found = _w8a8_epilogue(node, candidates[0].meta["val"].dtype)
         if found is None:
             continue
         end, factors = found
         # A Linear module's flattening of x and unflattening of the result are views to the shapes
         # they have when x is 2-D: the canonical Linear is F.linear's, without them
-        while _noop_view(x):
-            x = x.args[0]
         while len(end.users) == 1 and _noop_view(next(iter(end.users))):
             end = next(iter(end.users))
-        scales = [a for f in factors for a in _graph_inputs(f) if a is not weight and x not in _ancestors(f)]
-        if len(scales) != 1 or _per_channel_scale(scales[0], weight.meta["val"].shape[0]) is None:
+        chain = _w8a8_chain(end, candidates, weight, factors)
+        if chain is None:
             continue
-        scale = scales[0]
-        members = [n for n in _ancestors(end) if n.op == "call_function" and n not in _ancestors(x)]
-        if _graph_inputs(end) - _graph_inputs(x) - {weight, scale}:
-            continue  # the epilogue reads more than x and the two scales
+        x, scale, members = chain
         chain = _snapshot([*members], {"x": x, "weight": weight, "scale": scale}, also=quantized)
         scheme = _w8a8_scheme(chain, x, weight, scale)
         if scheme is None:
