@@ -11,7 +11,8 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import greedy, rewritten, rewritten_and_run, static_cache_greedy_decode, tiny_gqa_model as tiny
+from graph_utils import (declined, fired, greedy, rewrite_and_run, rewritten, rewritten_and_run,
+                         static_cache_greedy_decode, tiny_gqa_model as tiny)
 from mla_inductor import isa
 from mla_inductor.lowerings.segment_gemm import can_pack, packs_rows
 from mla_inductor.ops.gqa_qkv import FP8, reference_fp64
@@ -417,6 +418,111 @@ def test_prefill_fires_per_layer_and_matches_eager(arch):
         assert graph.count("mla.qkv_projection") == 2 and "mla.apply_rope" not in graph, graph
     assert mla_inductor.fusion_counts()["gqa_qkv"] == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+class FusedQKVInput(torch.nn.Module):
+    """Llama's attention input over one fused q/k/v weight, the [B, S, H] layout of transformers: cut
+    by slices (Phi-3's qkv_proj) or by one split in three (serving code's QKVParallelLinear). `v_dim`
+    other than D makes the last cut no key-sized one (not q, k, v)."""
+
+    def __init__(self, dtype, cut, v_dim=D):
+        super().__init__()
+        a = make_inputs(dtype, seed=5)
+        self.cut, self.v_dim = cut, v_dim
+        self.norm_weight = torch.nn.Parameter(a["gamma"])
+        self.qkv_weight = torch.nn.Parameter(a["fused_qkv_weights"].t()[: (NQ + NKV) * D + NKV * v_dim].contiguous())
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, D, 2).float() / D))
+
+    def cos_sin(self, positions, dtype):
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, x, positions):
+        xf = x.float()
+        h = self.norm_weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+        qkv = torch.nn.functional.linear(h, self.qkv_weight)
+        sizes = [NQ * D, NKV * D, NKV * self.v_dim]
+        if self.cut == "slices":
+            q, k, v = qkv[..., : sizes[0]], qkv[..., sizes[0] : sizes[0] + sizes[1]], qkv[..., sizes[0] + sizes[1] :]
+        else:
+            q, k, v = qkv.split(sizes, dim=-1)
+        q, k = (t.view(*x.shape[:2], -1, D).transpose(1, 2) for t in (q, k))
+        v = v.view(*x.shape[:2], -1, self.v_dim).transpose(1, 2)
+        cos, sin = (t.unsqueeze(1) for t in self.cos_sin(positions, x.dtype))
+
+        def rotate_half(t):
+            return torch.cat((-t[..., D // 2 :], t[..., : D // 2]), dim=-1)
+
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def fp64(self, x, positions):
+        """q, k and v by reference_fp64, laid out as forward returns them."""
+        cos, sin = self.cos_sin(positions, torch.float64)
+        out = reference_fp64(x, self.qkv_weight.t(), norm=("rms_norm", self.norm_weight, None, 1e-5),
+                             rope=(cos, sin, D, NQ + NKV))
+        q, k, v = out.split([NQ * D, NKV * D, NKV * D], dim=-1)
+        return tuple(t.view(*x.shape[:2], -1, D).transpose(1, 2) for t in (q, k, v))
+
+
+def decode_inputs(dtype):
+    x = make_inputs(dtype, seed=6, seq=1)["input"]
+    return x, torch.tensor([[7], [11]])
+
+
+@pytest.mark.parametrize("cut", ["slices", "split"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_weight_forms_fire_and_match_fp64(cut, dtype):
+    """gqa_qkv's fused forms (the weight's rows cut into q, k and v views for the op), on the rewritten
+    graph run eagerly."""
+    module = FusedQKVInput(dtype, cut)
+    x, positions = decode_inputs(dtype)
+    out, events = rewrite_and_run(module, x, positions)
+    assert fired(events, "gqa_qkv") == 1, declined(events, "gqa_qkv")
+    for actual, expected in zip(out, module.fp64(x, positions)):
+        torch.testing.assert_close(actual.double(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_fused_weight_whose_values_are_no_key_sized_cut_is_left_alone():
+    module = FusedQKVInput(torch.float32, "split", v_dim=8)
+    x, positions = decode_inputs(torch.float32)
+    out, events = rewrite_and_run(module, x, positions)
+    assert fired(events, "gqa_qkv") == 0
+    with torch.no_grad():
+        for actual, expected in zip(out, module(x, positions)):
+            torch.testing.assert_close(actual, expected)
+
+
+def test_fused_weight_template_reads_the_rows_of_each_cut_in_place():
+    """Compiled (not frozen): the template's three weights are row views of the one parameter, at
+    offsets into its storage."""
+    module = FusedQKVInput(torch.bfloat16, "slices")
+    x, positions = decode_inputs(torch.bfloat16)
+    torch._dynamo.reset()
+    mla_inductor.reset_counts()
+    with torch.no_grad():
+        out = torch.compile(module, backend="mla_inductor")(x, positions)
+    assert mla_inductor.fusion_counts()["gqa_qkv"] == 1
+    for actual, expected in zip(out, module.fp64(x, positions)):
+        torch.testing.assert_close(actual.double(), expected, atol=5e-2, rtol=2e-2)
+
+
+def test_phi3_static_cache_decode_fires_per_layer():
+    """transformers' Phi-3 (qkv_proj cut by slices, its partial-rotary code at full width, the no-op slice
+    gone as Inductor's joint passes remove it): every layer's norm, fused projection and rotations in one
+    op. (Its numbers: the fused forms above, against fp64.)"""
+    config = transformers.Phi3Config(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).to(torch.bfloat16).eval()
+    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1)),
+              past_key_values=cache)
+    step = lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits  # noqa: E731
+    graph = rewritten(step, torch.tensor([[3], [5]]), torch.full((2, 1), 6), stage="post_grad")
+    assert graph.count("mla.qkv_projection") == config.num_hidden_layers and "mla.apply_rope" not in graph, graph
 
 
 class TestRewrite(expecttest.TestCase):
