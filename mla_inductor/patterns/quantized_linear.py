@@ -651,8 +651,7 @@ def fold(graph: Graph) -> int:
                 continue
             weight, scale, block, activation_quant = quantized
             node.update_arg(index, weight)
-            node.kwargs = {**node.kwargs, scale_kwarg: scale, "weight_block_size": block,
-                           "activation_quant": activation_quant}
+            _set_arguments(node, {scale_kwarg: scale, "weight_block_size": block, "activation_quant": activation_quant})
             folded += 1
         if node.target in _QUANTIZED_WEIGHT_LISTS:
             index, scale_kwarg = _QUANTIZED_WEIGHT_LISTS[node.target]
@@ -661,10 +660,24 @@ def fold(graph: Graph) -> int:
                 continue  # the fusion's check declined mixed and block-scaled weights
             quantized = [_quantized_operand(graph, node, d) for d in dequantized]
             node.update_arg(index, [weight for weight, *_ in quantized])
-            node.kwargs = {**node.kwargs, scale_kwarg: [scale for _, scale, *_ in quantized],
-                           "activation_quant": quantized[0][3]}  # alike: the fusion's check declined others
+            _set_arguments(node, {scale_kwarg: [scale for _, scale, *_ in quantized],
+                                  "activation_quant": quantized[0][3]})  # alike: the fusion's check declined others
             folded += 1
     return folded
+
+
+def _set_arguments(node: Node, values: dict) -> None:
+    """Set arguments of an op node by name, in place where the node passes them by position: a traced call
+    passes every argument up to the last that differs from its default by position (Mixtral's head_norm_eps
+    of 1e-5 puts qkv_projection's weight_scales there), and the same argument again as a keyword is a
+    call the op rejects."""
+    names = [argument.name for argument in node.target._schema.arguments]
+    for name, value in values.items():
+        index = names.index(name)
+        if index < len(node.args):
+            node.update_arg(index, value)
+        else:
+            node.update_kwarg(name, value)
 
 
 def _dequantize_in_aten(graph: Graph, node: Node, per_call: bool = False, dtype: Optional[torch.dtype] = None
