@@ -334,6 +334,22 @@ def test_qwen3_fires_gqa_qkv_over_int8_weights_passed_by_position():
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
 
+def test_qwen2_int8_weight_only_rotations_fire():
+    """torchao's biased int8 Linears (Qwen2's q/k/v) trace each reader's `view(...).transpose(1, 2)` of
+    the projection apart: the rotation reads x, and rotate_half(x), through equal chains of views, which
+    the rope match takes as one x. (gqa_qkv does not take a biased int8 projection yet: the bias is
+    added after the canonical Linear's unflattening, where the pattern has nn.Linear's addmm.) Graph
+    level."""
+    model = int8_weight_only(tiny_gqa_model("qwen2", torch.bfloat16, layers=1))
+    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
+    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
+    with torch.no_grad():
+        expected = fn(ids)
+    actual, events = rewrite_and_run(fn, ids)
+    assert fired(events, "rope") == 2
+    torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
 def test_gqa_qkv_declines_block_scaled_weights():
     """qkv_projection takes per-channel scales only; every fused op, weights quantized alike."""
     dequantize = torch.ops.mla.dequantize_weight.default

@@ -292,13 +292,27 @@ def _passes_value(n: torch.fx.Node, elementwise: bool) -> bool:
     return elementwise and (n.target in (aten.cos.default, aten.sin.default) or scaled)
 
 
+def _same_layout(a, b) -> bool:
+    """Whether nodes a and b are one layout of one tensor: the same node, or the same layout op with equal
+    arguments. Graphs traced through a tensor subclass (torchao's quantized Linears) repeat a projection's
+    `view(...).transpose(1, 2)` for each reader, so `x * cos + rotate_half(x) * sin` reads x as three
+    equal chains."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and a.op == b.op == "call_function"
+            and a.target is b.target and a.target in LAYOUT_OPS and a.kwargs == b.kwargs and len(a.args) == len(b.args)):
+        return False
+    return all(_same_layout(x, y) if isinstance(x, torch.fx.Node) else x == y for x, y in zip(a.args, b.args))
+
+
 def _probe(node: torch.fx.Node, origin: torch.fx.Node, ops: set, elementwise: bool) -> Optional[torch.Tensor]:
-    """`node`'s value when `origin` holds its elements numbered (1, 2, ... in fp64), through `ops`
-    only; None if the chain reaches anything else. Symbolic sizes take their example values."""
+    """`node`'s value when `origin` (or a node of the same layout of the same tensor) holds its elements
+    numbered (1, 2, ... in fp64), through `ops` only; None if the chain reaches anything else. Symbolic
+    sizes take their example values."""
     values = {}
 
     def value(n):
-        if n is origin:
+        if _same_layout(n, origin):
             shape = [size_hint(size) for size in n.meta["val"].shape]
             return torch.arange(1, math.prod(shape) + 1, dtype=torch.float64).reshape(shape)
         if isinstance(n.meta.get("val"), torch.SymInt):
