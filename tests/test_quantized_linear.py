@@ -14,7 +14,7 @@ from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8Weig
 
 import mla_inductor
 from mla_inductor import benchmarking, isa
-from graph_utils import fired, greedy, rewrite_and_run, tiny_gqa_model
+from graph_utils import fired, greedy, rewrite_and_run, rewritten, tiny_gqa_model
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
@@ -332,6 +332,34 @@ def test_qwen3_fires_gqa_qkv_over_int8_weights_passed_by_position():
     fused = [n for n in rewrite_and_run.graph.nodes if n.target is torch.ops.mla.qkv_projection.default]
     assert all(w.meta["val"].dtype == torch.int8 for n in fused for w in n.args[1])
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("scheme", ["weight_only", "w8a8"])
+def test_phi3_fused_int8_qkv_proj_reaches_the_template_as_int8_row_views(scheme):
+    """Phi-3's one int8 qkv_proj under torchao: gqa_qkv cuts the dequantized weight into q, k and v rows,
+    and the fold hands the template those rows of the int8 weight with the same rows of its scales (not
+    a bf16 copy of the weight dequantized every call). The real pipeline's graph (Inductor's joint
+    passes first), not run; compiled, its greedy tokens equal eager's (by hand, 2026-11-28)."""
+    config = transformers.Phi3Config(vocab_size=256, hidden_size=96, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(config).to(torch.bfloat16).eval()
+    if scheme == "weight_only":
+        int8_weight_only(model)
+    else:
+        quantize_(model, Int8DynamicActivationInt8WeightConfig(set_inductor_config=False))
+    ids = torch.randint(0, 256, (1, 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        graph = rewritten(lambda ids: model(input_ids=ids, use_cache=False).logits, ids)
+    fused = [line for line in graph.splitlines() if "mla.qkv_projection" in line]
+    assert len(fused) == 1, graph
+    weights = re.search(r"qkv_projection\(\w+, \[(.*?)\]", fused[0]).group(1)
+    scales, activation_quant = re.search(r"NBSd, \[(.*?)\], (\w+)", fused[0]).groups()
+    assert activation_quant == ("none" if scheme == "weight_only" else "int8_torchao")
+    for names in (weights, scales):
+        for name in names.split(", "):
+            assert re.search(rf"^{name} = slice.Tensor\((\w+), 0, \d+, \d+\)", graph, re.M), name
 
 
 def test_qwen2_int8_weight_only_rotations_fire():

@@ -655,10 +655,11 @@ def fold(graph: Graph) -> int:
             folded += 1
         if node.target in _QUANTIZED_WEIGHT_LISTS:
             index, scale_kwarg = _QUANTIZED_WEIGHT_LISTS[node.target]
-            dequantized = [_dequantized(w) for w in node.args[index]]
+            # each weight dequantized, or a row slice of one (gqa_qkv's cuts of a fused q/k/v weight)
+            dequantized = [_dequantized(w) or (_row_slice(w) or (None,))[0] for w in node.args[index]]
             if any(d is None or d.args[2] is not None for d in dequantized):
                 continue  # the fusion's check declined mixed and block-scaled weights
-            quantized = [_quantized_operand(graph, node, d) for d in dequantized]
+            quantized = [_quantized_operand(graph, node, w) for w in node.args[index]]
             node.update_arg(index, [weight for weight, *_ in quantized])
             _set_arguments(node, {scale_kwarg: [scale for _, scale, *_ in quantized],
                                   "activation_quant": quantized[0][3]})  # alike: the fusion's check declined others
