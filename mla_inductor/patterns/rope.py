@@ -285,11 +285,19 @@ class _OtherOp(Exception):
 
 
 def _passes_value(n: torch.fx.Node, elementwise: bool) -> bool:
-    """Whether n is (for the probe) its first argument: a cast, or an elementwise function of it."""
+    """Whether n is (for the probe) its first argument: a cast, or an elementwise function of it (a scaling
+    by one number: a literal, or a one-element tensor, as under `dynamic=True` Dynamo passes a module's
+    float, transformers' rotary `attention_scaling`)."""
     if n.target in _CASTS:
         return True
-    scaled = n.target in (aten.mul.Tensor, aten.div.Tensor) and not isinstance(n.args[1], torch.fx.Node)
+    factor = n.args[1] if n.target in (aten.mul.Tensor, aten.div.Tensor) else None
+    scaled = factor is not None and (not isinstance(factor, torch.fx.Node) or _one_number(factor))
     return elementwise and (n.target in (aten.cos.default, aten.sin.default) or scaled)
+
+
+def _one_number(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and all(isinstance(size, int) and size == 1 for size in val.shape)
 
 
 def _same_layout(a, b) -> bool:
