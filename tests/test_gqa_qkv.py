@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 from torch._inductor.utils import run_and_get_code
+from transformers.models.llama import modeling_llama
 
 import mla_inductor
 from graph_utils import (declined, fired, greedy, rewrite_and_run, rewritten, rewritten_and_run,
@@ -336,6 +337,22 @@ def test_head_norms_reject_bad_weights_naming_them(q_norm, k_norm, message):
         module.project(a["input"], a["cos"], a["sin"], q_norm, k_norm)
 
 
+def test_gqa_qkv_takes_the_norm_eps_as_a_tensor():
+    """`norm_eps_tensor` (a model's eps under dynamic=True) computes what `norm_eps` does; anything but one
+    number is refused by name."""
+    a = make_inputs(torch.float32)
+    q_w, k_w, v_w = a["fused_qkv_weights"].t().split([NQ * D, NKV * D, NKV * D])
+
+    def call(eps, eps_tensor):
+        return torch.ops.mla.gqa_qkv(a["input"], q_w, k_w, v_w, None, None, None, "NBSd", False, None, "rms_norm",
+                                     a["gamma"], eps, True, a["cos"], a["sin"], D, NQ, NKV,
+                                     norm_eps_tensor=eps_tensor)[0]
+
+    torch.testing.assert_close(call(1.0, torch.tensor(1e-5)), call(1e-5, None), atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"mla::gqa_qkv: norm_eps_tensor must be a one-element tensor, got \[2\]"):
+        call(1.0, torch.tensor([1e-5, 1e-5]))
+
+
 class FusedWeight(torch.nn.Module):
     """Neuron's layout: one [H, I] weight; the template reads it as [I, H] rows (packed under freezing)."""
 
@@ -523,6 +540,45 @@ def test_phi3_static_cache_decode_fires_per_layer():
     step = lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits  # noqa: E731
     graph = rewritten(step, torch.tensor([[3], [5]]), torch.full((2, 1), 6), stage="post_grad")
     assert graph.count("mla.qkv_projection") == config.num_hidden_layers and "mla.apply_rope" not in graph, graph
+
+
+class LlamaAttentionInput(torch.nn.Module):
+    """A LlamaDecoderLayer's attention input from transformers' own modules (LlamaRMSNorm, the q/k/v
+    Linears, LlamaRotaryEmbedding, apply_rotary_pos_emb) at the tiny models' shape."""
+
+    def __init__(self):
+        super().__init__()
+        config = tiny("llama", torch.float32, layers=1).config
+        self.norm = modeling_llama.LlamaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary = modeling_llama.LlamaRotaryEmbedding(config)
+        self.q_proj, self.k_proj, self.v_proj = (
+            torch.nn.Linear(config.hidden_size, heads * config.head_dim, bias=False)
+            for heads in (config.num_attention_heads, config.num_key_value_heads, config.num_key_value_heads))
+        self.head_dim = config.head_dim
+
+    def forward(self, x, position_ids):
+        cos, sin = self.rotary(x, position_ids)
+        h = self.norm(x)
+        q, k, v = (p(h).view(*x.shape[:2], -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        return (*modeling_llama.apply_rotary_pos_emb(q, k, cos, sin), v)
+
+
+def test_llama_under_dynamic_true_fires_with_its_floats_as_tensors():
+    """`dynamic=True` makes the model's floats graph inputs (0-d tensors): LlamaRotaryEmbedding's
+    `attention_scaling`, by which cos and sin are multiplied (one number: each angle is still on both
+    members of a pair, so rope fires), and the RMSNorm's eps (the op's `norm_eps_tensor`). Graph level,
+    one decode row of two requests, against eager. (Compiled, transformers' Llama and Phi-3 decode over a
+    StaticCache fire both in every layer and give eager's greedy tokens: by hand, 2026-11-28.)"""
+    torch.manual_seed(0)
+    module = LlamaAttentionInput().to(torch.bfloat16)
+    x, positions = torch.randn(2, 1, 96).to(torch.bfloat16), torch.tensor([[7], [11]])
+    with torch.no_grad():
+        expected = module(x, positions)
+    out, events = rewrite_and_run(module, x, positions, dynamic=True)
+    assert fired(events, "rope") == 2 and fired(events, "gqa_qkv") == 1, declined(events, "rope")
+    for actual, reference in zip(out, expected):
+        torch.testing.assert_close(actual, reference, atol=2e-2, rtol=2e-2)
 
 
 class TestRewrite(expecttest.TestCase):

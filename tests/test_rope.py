@@ -1,17 +1,15 @@
 """rope: the mla::rotary_embedding op (SGLang's contract), mla::apply_rope (model code's rotation),
 their C++ templates, and the patterns that find each spelling of RoPE in model code."""
 
-import copy
 import functools
 
 import expecttest
 import pytest
 import torch
-import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import declined, fired, rewrite_and_run, rewritten, rewritten_and_run, tiny_gqa_model
+from graph_utils import rewritten, rewritten_and_run
 from mla_inductor.models import get_config
 from mla_inductor.models.hf import build_hf_model
 from mla_inductor.ops.rope import apply_rope_fp64, reference_fp64
@@ -443,21 +441,3 @@ def test_transformers_prefill_fires_per_layer_and_matches_eager():
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)  # bf16 logits after 2 layers
 
 
-
-
-def test_llama_under_dynamic_true_fires_with_its_scaling_as_a_tensor():
-    """`dynamic=True` makes LlamaRotaryEmbedding's float `attention_scaling` a 0-d tensor input, by which
-    cos and sin are multiplied: one number, so each angle is still on both members of a pair. Graph
-    level, the decode step over a StaticCache, against eager."""
-    model = tiny_gqa_model("llama", torch.bfloat16, layers=1)
-    cache = transformers.StaticCache(config=model.config, max_cache_len=32)
-    with torch.no_grad():
-        model(input_ids=torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1)),
-              past_key_values=cache)
-    ids, pos = torch.tensor([[3], [5]]), torch.full((2, 1), 6)
-    with torch.no_grad():
-        expected = model(input_ids=ids, past_key_values=copy.deepcopy(cache), position_ids=pos).logits
-    step = lambda i, p: model(input_ids=i, past_key_values=cache, position_ids=p).logits  # noqa: E731
-    out, events = rewrite_and_run(step, ids, pos, dynamic=True)
-    assert fired(events, "rope") == 2, declined(events, "rope")
-    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)

@@ -438,7 +438,7 @@ _LIB.define(
     "Tensor? v_bias, str output_layout, bool fused_residual_add, Tensor? mlp_prev, str fused_norm_type, "
     "Tensor? gamma_norm_weights, float norm_eps, bool fused_rope, Tensor? cos_cache, Tensor? sin_cache, "
     "int d_head, int num_q_heads, int num_kv_heads, Tensor? q_norm_weight=None, Tensor? k_norm_weight=None, "
-    "float head_norm_eps=1e-06, str head_norm_type=\"rms_norm\") -> (Tensor, Tensor)"
+    "float head_norm_eps=1e-06, str head_norm_type=\"rms_norm\", Tensor? norm_eps_tensor=None) -> (Tensor, Tensor)"
 )
 
 
@@ -527,12 +527,19 @@ def _check_gqa(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, outp
 @torch.library.impl(_LIB, "gqa_qkv", "CompositeImplicitAutograd")
 def gqa_qkv(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, output_layout, fused_residual_add, mlp_prev,
             fused_norm_type, gamma_norm_weights, norm_eps, fused_rope, cos_cache, sin_cache, d_head, num_q_heads,
-            num_kv_heads, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6, head_norm_type="rms_norm"):
+            num_kv_heads, q_norm_weight=None, k_norm_weight=None, head_norm_eps=1e-6, head_norm_type="rms_norm",
+            norm_eps_tensor=None):
+    """`norm_eps_tensor`, a one-element tensor, is the input norm's eps in place of `norm_eps`: what a model's
+    float eps is under `torch.compile(dynamic=True)`, where Dynamo passes it as a graph input."""
+    if norm_eps_tensor is not None and (not isinstance(norm_eps_tensor, Tensor) or norm_eps_tensor.numel() != 1):
+        got = list(norm_eps_tensor.shape) if isinstance(norm_eps_tensor, Tensor) else type(norm_eps_tensor).__name__
+        _GQA_FAIL(f"norm_eps_tensor must be a one-element tensor, got {got}")
     _check_gqa(input, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, output_layout, fused_residual_add,
                mlp_prev, fused_norm_type, gamma_norm_weights, norm_eps, fused_rope, cos_cache, sin_cache, d_head,
                num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight, head_norm_type)
     bias = None if q_bias is None else torch.cat([q_bias, k_bias, v_bias])
+    eps = norm_eps if norm_eps_tensor is None else norm_eps_tensor.reshape(())
     return _forward(_GQA_FAIL, input, [q_weight, k_weight, v_weight], output_layout, bias, fused_residual_add,
-                    mlp_prev, None, fused_norm_type, gamma_norm_weights, None, norm_eps, fused_rope, cos_cache,
+                    mlp_prev, None, fused_norm_type, gamma_norm_weights, None, eps, fused_rope, cos_cache,
                     sin_cache, d_head, num_q_heads, num_kv_heads, None, None, None, None, None,
                     head_norms=(q_norm_weight, k_norm_weight, head_norm_eps, head_norm_type))

@@ -161,10 +161,13 @@ def _fused(x, mlp_out, norm_weight, q_weight, k_weight, v_weight, q_bias, k_bias
     batch, seq, d_head = x.shape[0], x.shape[1], cos.shape[-1]
     num_q_heads, num_kv_heads = q_weight.shape[0] // d_head, k_weight.shape[0] // d_head
     cos, sin = (t.expand(batch, 1, seq, d_head)[:, 0] for t in (cos, sin))
+    # eps is a graph input under dynamic=True (check: then without head norms, whose eps the template takes)
+    eps_tensor = eps if isinstance(eps, torch.Tensor) else None
+    eps = 1.0 if eps_tensor is not None else eps
     out, residual = torch.ops.mla.gqa_qkv(
         x, q_weight, k_weight, v_weight, q_bias, k_bias, v_bias, "NBSd", mlp_out is not None, mlp_out,
         norm_type, norm_weight, eps, True, cos, sin, d_head, num_q_heads, num_kv_heads, q_norm_weight, k_norm_weight,
-        eps, norm_type,
+        eps, norm_type, eps_tensor,
     )
     # [heads, B, S, d] -> q, k, v as [B, heads, S, d] views, as the model's transposes give them
     q = out[:num_q_heads].transpose(0, 1)
@@ -253,6 +256,8 @@ def check(match: Match) -> Optional[str]:
                 return split
     else:
         weights = {name: match.kwargs[name] for name in ("q_weight", "k_weight", "v_weight")}
+    if isinstance(kw["eps"], torch.Tensor) and "q_norm_weight" in kw:
+        return "eps is a tensor (torch.compile(dynamic=True)): the head norms' eps must be a float"
     cos, q_weight, k_weight = kw["cos"], kw["q_weight"], kw["k_weight"]
     if q_weight.shape[0] < k_weight.shape[0]:  # fewer query than key heads: the k branch bound as q
         return NotACandidate("the q and k projections bound the other way round")

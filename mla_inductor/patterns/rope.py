@@ -417,8 +417,10 @@ def _rotate(graph: torch.fx.Graph, add: torch.fx.Node, x, cos, sin, style: str) 
         raise Decline("cos / sin do not provably hold each angle on both members of a pair")
     emit = Emitter(graph, add)
     d = cos.meta["val"].shape[-1]
-    halves = [emit(aten.slice.Tensor, t, -1, 0, d // 2) if style == "neox" else emit(aten.slice.Tensor, t, -1, 0, d, 2)
-              for t in (cos, sin)]
+    # the last dim by its index, as a traced `cos[..., :half]` has it (gqa_qkv's patterns read these slices)
+    last = cos.meta["val"].dim() - 1
+    halves = [emit(aten.slice.Tensor, t, last, 0, d // 2) if style == "neox"
+              else emit(aten.slice.Tensor, t, last, 0, d, 2) for t in (cos, sin)]
     try:
         check_apply_args(val, *(h.meta["val"] for h in halves), style)
     except ValueError as error:
