@@ -318,16 +318,23 @@ def test_llama_fires_gqa_qkv_over_int8_weights_weight_only_and_w8a8():
     torch.testing.assert_close(actual[1], expected[1], atol=0.15, rtol=0.05)  # W8A8 (see the DeepSeek test)
 
 
-def test_qwen3_fires_gqa_qkv_over_int8_weights_passed_by_position():
-    """Qwen3's head norms make the traced qkv_projection call pass every argument up to k_norm_weight by
-    position, weight_scales' slot included: the int8 weights' scales go there (a keyword as well was a
-    call the op rejected, and the compile failed; Mixtral's eps of 1e-5 did the same). Graph level."""
-    model = int8_weight_only(tiny_gqa_model("qwen3", torch.bfloat16, layers=1))
+def int8_prefill_rewritten(arch):
+    """A one-layer tiny transformers `arch` under torchao's int8 weight-only, prefill of 5 tokens: the
+    rewritten graph's logits (run eagerly), eager's, and the record (graph level, no C++)."""
+    model = int8_weight_only(tiny_gqa_model(arch, torch.bfloat16, layers=1))
     ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
     fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
     with torch.no_grad():
         expected = fn(ids)
     actual, events = rewrite_and_run(fn, ids)
+    return actual, expected, events
+
+
+def test_qwen3_fires_gqa_qkv_over_int8_weights_passed_by_position():
+    """Qwen3's head norms make the traced qkv_projection call pass every argument up to k_norm_weight by
+    position, weight_scales' slot included: the int8 weights' scales go there (a keyword as well was a
+    call the op rejected, and the compile failed; Mixtral's eps of 1e-5 did the same)."""
+    actual, expected, events = int8_prefill_rewritten("qwen3")
     assert fired(events, "gqa_qkv") == 1
     fused = [n for n in rewrite_and_run.graph.nodes if n.target is torch.ops.mla.qkv_projection.default]
     assert all(w.meta["val"].dtype == torch.int8 for n in fused for w in n.args[1])
@@ -366,14 +373,8 @@ def test_qwen2_int8_weight_only_rotations_fire():
     """torchao's biased int8 Linears (Qwen2's q/k/v) trace each reader's `view(...).transpose(1, 2)` of
     the projection apart: the rotation reads x, and rotate_half(x), through equal chains of views, which
     the rope match takes as one x. (gqa_qkv does not take a biased int8 projection yet: the bias is
-    added after the canonical Linear's unflattening, where the pattern has nn.Linear's addmm.) Graph
-    level."""
-    model = int8_weight_only(tiny_gqa_model("qwen2", torch.bfloat16, layers=1))
-    ids = torch.randint(0, 256, (1, 5), generator=torch.Generator().manual_seed(1))
-    fn = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
-    with torch.no_grad():
-        expected = fn(ids)
-    actual, events = rewrite_and_run(fn, ids)
+    added after the canonical Linear's unflattening, where the pattern has nn.Linear's addmm.)"""
+    actual, expected, events = int8_prefill_rewritten("qwen2")
     assert fired(events, "rope") == 2
     torch.testing.assert_close(actual, expected, atol=5e-2, rtol=2e-2)
 
