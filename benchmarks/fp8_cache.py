@@ -17,8 +17,8 @@ variant (the gqa step over e5m2 measured 1.39x that way, 1.44x as one graph; doc
 step is compiled by mla_inductor with a bf16 cache, an e4m3fn cache with one scale per token (SGLang's)
 and an e5m2 cache without scales, timed in the same interleaved rounds as the copy bandwidth and the
 GEMM throughput of the roofline: max(bytes read / copy bandwidth, FLOPs / the GEMM the kernel's products
-run as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless AMX tiles
-take it (16 or more heads per cached row on an AMX CPU). The bf16 cache's roofline over an fp8 cache's
+run as: bf16 where it is native, except for an fp8 cache, which is multiplied in fp32 unless the kernels
+convert it to bf16 (fp8_products_in_bf16). The bf16 cache's roofline over an fp8 cache's
 is the most halving the bytes can gain here: 2 where both steps are bound by the read, less where the
 products' side is the larger (the latent step's 47.9 kFLOP a row against a CPU's GEMM over its copy
 bandwidth). Each step is also timed over a few layers whose caches the last-level cache holds, read
@@ -104,6 +104,17 @@ def layers_in_the_cache(fp8_layer_bytes):
     return max(1, min(8, benchmarking.last_level_cache_bytes() // (4 * fp8_layer_bytes)))
 
 
+def fp8_products_in_bf16(heads_per_row):
+    """Whether the kernels multiply an fp8 cache's rows in bf16 here (latent_attention.h): on AMX tiles from
+    16 heads a row; on AVX512-BF16 CPUs without AMX converted for the dpbf16 tiles, from 5 heads a row
+    (converts_fp8_to_bf16) and, with VBMI, below (reads_fp8_as_bf16). Elsewhere the FMA tiles widen them."""
+    if isa.host_isa() == "amx":
+        return heads_per_row >= 16
+    if isa.host_isa() == "avx512_bf16":
+        return heads_per_row > 4 or "avx512vbmi" in isa.cpu_flags()
+    return False
+
+
 def bench(name, make_step, args):
     dtypes = {"bf16": torch.bfloat16, "e4m3, per-token scales": E4M3, "e5m2": E5M2}
     steps = {label: make_step(args, dtype) for label, dtype in dtypes.items()}
@@ -122,7 +133,7 @@ def bench(name, make_step, args):
             {**fns, "copy": copy, "gemm bf16": gemm_bf16, "gemm fp32": gemm_fp32}, rounds=args.rounds, calls=3)
     bandwidth = copy_bytes / t["copy"]
     roof = {"bf16": gemm_bf16_flops / t["gemm bf16"], "fp32": gemm_fp32_flops / t["gemm fp32"]}
-    fp8_roof = "bf16" if isa.host_isa() == "amx" and heads_per_row >= 16 else "fp32"
+    fp8_roof = "bf16" if fp8_products_in_bf16(heads_per_row) else "fp32"
     print(f"\n## {name}, {layers} layers, context {args.context}, B=1; in the rounds copy {bandwidth / 1e9:.1f} GB/s, "
           f"GEMM {isa.roof_gemm_name(torch.bfloat16)} {roof['bf16'] / 1e9:.0f} GFLOP/s (bf16 cache's roof), "
           f"float32 {roof['fp32'] / 1e9:.0f} GFLOP/s; fp8 caches' roof: {fp8_roof}; {benchmarking.machine_line()}")

@@ -169,8 +169,12 @@ def native_fp16_gemm() -> bool:
     """Whether oneDNN has a native fp16 GEMM here: AVX512-FP16, which the AMX Xeons have (Sapphire Rapids
     and newer); elsewhere fp16 GEMMs are emulated (a Llama-3-8B MLP Linear streamed 2.5 GB/s at 8 rows
     on a Cascade Lake Xeon, docs/linear.md)."""
-    flags = _first_processor(_host_cpuinfo()).get("flags", "").split()
-    return host_isa() == "amx" and "avx512_fp16" in flags
+    return host_isa() == "amx" and "avx512_fp16" in cpu_flags()
+
+
+def cpu_flags() -> set[str]:
+    """The first processor's flags in /proc/cpuinfo (what the CPU has, whatever ATen or oneDNN are held to)."""
+    return set(_first_processor(_host_cpuinfo()).get("flags", "").split())
 
 
 def native_gemm(dtype: torch.dtype) -> bool:

@@ -384,6 +384,35 @@ def test_fp8_widening_is_exact_for_every_value():
         torch.testing.assert_close(out, expected, atol=0, rtol=0, equal_nan=True)
 
 
+def test_fp8_rows_read_as_bf16_where_a_group_fits_one_tile():
+    """Groups of up to 4 query heads over an fp8 cache with a bf16 query: on AVX512-BF16 CPUs with VBMI and
+    without AMX (Zen 4, Zen 5) the dpbf16 tiles read the rows where they lie, converted in registers by
+    table (elsewhere the FMA tiles widen them). One compile: e4m3 with per-token scales at head_dim 96
+    (a whole 64-value step and a masked half one) over 301 rows (an odd last block, padded by the zero
+    row), e5m2 at 128 in groups of one (multi-head), both against fp64 over the dequantized cache; and
+    every value of both formats read exactly at head_dim 32 (the masked step alone): request b admits
+    only row b, whose value row holds value b."""
+    accuracy = [sglang_case(2, 8, 2, 96, 96, torch.bfloat16, E4M3, rows=301, seed=1),
+                sglang_case(1, 4, 4, 128, 128, torch.bfloat16, E5M2, rows=257, seed=2)]
+    one_row_each = torch.eye(256, dtype=torch.bool).view(256, 1, 1, 256)
+    every_value = [torch.arange(256, dtype=torch.uint8).view(dtype) for dtype in (E4M3, E5M2)]
+    cases = [(q, k, v, None, k_scale, v_scale) for q, k, v, k_scale, v_scale, *_ in accuracy]
+    cases += [(torch.ones(256, 1, 1, 32, dtype=torch.bfloat16), torch.zeros(256, 1, 256, 32, dtype=values.dtype),
+               values.view(1, 1, 256, 1).expand(256, 1, 256, 32), one_row_each, None, None) for values in every_value]
+    torch._dynamo.reset()
+    fn = torch.compile(lambda cases: [torch.ops.mla.gqa_decode_attention(q, k, v, mask, k_scale=ks, v_scale=vs)
+                                      for q, k, v, mask, ks, vs in cases], backend="mla_inductor")
+    outs, (code,) = run_and_get_code(fn, cases)
+    assert code.count("mi::attend_split") >= 4 and "torch.ops.mla" not in code, "the template did not serve"
+    for out, (q, *_, k_ref, v_ref) in zip(outs, accuracy):
+        expected = F.scaled_dot_product_attention(q.double(), k_ref.double(), v_ref.double(), enable_gqa=True)
+        torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
+        assert_sglang_close(out, q, k_ref, v_ref)
+    for out, values in zip(outs[2:], every_value):
+        exact = values.float().view(256, 1, 1, 1).expand(256, 1, 1, 32)
+        torch.testing.assert_close(out.float(), exact, atol=0, rtol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("group", [4, 8])  # the rows widened in the score tile (4), or once into fp32 copies (8)
 def test_an_e4m3fn_nan_reaches_the_heads_that_read_it(group):
     """Tiles of e4m3fn rows without NaN are widened without the NaN fix; a NaN in one key row still makes

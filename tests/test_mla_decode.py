@@ -433,6 +433,27 @@ def test_fp8_cache_reads_its_values_eager_and_compiled(cache_dtype, per_row):
         assert_matches(out, expected, torch.bfloat16)
 
 
+def test_fp8_cache_at_a_few_heads_a_rank():
+    """Four heads (DeepSeek-V3 over 32 ranks): one score tile holds them all, so on AVX512-BF16 CPUs with
+    VBMI and without AMX (Zen 4, Zen 5) the dpbf16 tiles read the fp8 rows where they lie, converting them
+    in registers (elsewhere the FMA tiles widen them). One compile: e4m3 with per-row scales, its k_pe in
+    a cache of its own, and e5m2 in one cache, NaN past every length, against fp64."""
+    q, cache, block_tables, lens, _ = paged_case(3, 4, [300, 1, 129], 16, torch.bfloat16, seed=4)
+    e4m3, e4m3_scale, e4m3_values = fp8_cache(cache, torch.float8_e4m3fn, per_row=True)
+    e5m2, _, e5m2_values = fp8_cache(cache, torch.float8_e5m2, per_row=False)
+    latent, rope = e4m3[..., :LORA].contiguous(), e4m3[..., LORA:].contiguous()
+    fn = torch.compile(lambda q, latent, rope, scale, e5m2, tables, lens: (
+        op(q, latent, tables, lens, LORA, 0.07, rope_cache=rope, kv_scale=scale),
+        op(q, e5m2, tables, lens, LORA, 0.07)), backend="mla_inductor", dynamic=False)
+    outs, code = run_template(fn, q, latent, rope, e4m3_scale, e5m2, block_tables, lens)
+    assert "using cache_t = at::Float8_e4m3fn" in code and "using cache_t = at::Float8_e5m2" in code
+    positions = torch.arange(300)
+    for out, values in zip(outs, (e4m3_values, e5m2_values)):
+        dense = values.view(-1, LORA + ROPE)[block_tables[:, positions // 16] * 16 + positions % 16]
+        assert torch.isfinite(out).all(), "a NaN row past seq_len was read"
+        assert_matches(out, sdpa_reference(q, dense, lens, 0.07), torch.bfloat16)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(kv_scale=torch.ones(1)), "kv_scale dequantizes an fp8 kv_cache; kv_cache is torch.float32"),
     (dict(kv_cache=torch.float8_e4m3fn, kv_scale=torch.ones(5, 4)), r"kv_scale must broadcast against kv_cache's rows"),

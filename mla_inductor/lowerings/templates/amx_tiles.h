@@ -69,14 +69,50 @@ __attribute__((always_inline)) inline void fp8_lanes_to_bf16(__m512i x, const Bf
   second = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// dst[0, count) = src[0, count) in bf16, in order, count <= 64: the qword shuffle puts values 8l..8l+7
-// and 32+8l..32+8l+7 in lane l.
+// src[0, count) in bf16, in order, count <= 64 (zeros past it): `first` values 0-31, `second` 32-63. The
+// qword shuffle puts values 8l..8l+7 and 32+8l..32+8l+7 in lane l.
+template <typename C>
+__attribute__((always_inline)) inline void load_fp8x64_as_bf16(const C* src, const Bf16Table& t, __m512i& first,
+                                                               __m512i& second, int count = 64) {
+  const __m512i raw = count == 64 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8((1ull << count) - 1, src);
+  fp8_lanes_to_bf16(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw), t, first, second);
+}
+
+// The byte shuffle of fp8_pairs_to_bf16: byte 2c of the result is byte c of the first operand, byte 2c + 1
+// byte c of the second (index 64 + c).
+struct PairInterleave {
+  alignas(64) uint8_t index[64];
+  constexpr PairInterleave() : index() {
+    for (int c = 0; c < 32; ++c) {
+      index[2 * c] = static_cast<uint8_t>(c);
+      index[2 * c + 1] = static_cast<uint8_t>(64 + c);
+    }
+  }
+};
+inline constexpr PairInterleave kPairInterleave{};
+
+// Columns [0, 32) of fp8 rows a and b in bf16, interleaved in pairs as store_interleaved leaves them: lo
+// holds (a[c], b[c]) for c = 8l..8l+3 in 128-bit lane l, hi for c = 8l+4..8l+7 (paired_column). The rows
+// are interleaved as bytes first (a[c], b[c] at bytes 2c, 2c + 1), so that the tables convert both at
+// once and the unpacks that join each value's two bytes leave the pairs: no 16-bit interleave after.
+__attribute__((always_inline)) inline void fp8_pairs_to_bf16(const void* a, const void* b, const Bf16Table& t,
+                                                             __m512i& lo, __m512i& hi) {
+  const __m512i rows = _mm512_permutex2var_epi8(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a)),
+                                                _mm512_load_si512(kPairInterleave.index),
+                                                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)b)));
+  const __m512i low_bytes = _mm512_permutex2var_epi8(t.lo[0], rows, t.lo[1]);
+  const __m512i magnitude = _mm512_permutex2var_epi8(t.hi[0], rows, t.hi[1]);
+  const __m512i high_bytes = _mm512_ternarylogic_epi32(magnitude, rows, _mm512_set1_epi8(char(0x80)), 0xF8);
+  lo = _mm512_unpacklo_epi8(low_bytes, high_bytes);
+  hi = _mm512_unpackhi_epi8(low_bytes, high_bytes);
+}
+
+// dst[0, count) = src[0, count) in bf16, in order, count <= 64.
 template <typename C>
 __attribute__((always_inline)) inline void fp8_to_bf16x64(const C* src, c10::BFloat16* dst, const Bf16Table& t,
                                                           int count = 64) {
-  const __m512i raw = count == 64 ? _mm512_loadu_si512(src) : _mm512_maskz_loadu_epi8((1ull << count) - 1, src);
   __m512i first, second;
-  fp8_lanes_to_bf16(_mm512_permutexvar_epi64(_mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7), raw), t, first, second);
+  load_fp8x64_as_bf16(src, t, first, second, count);
   if (count == 64) {
     _mm512_storeu_si512(dst, first);
     _mm512_storeu_si512(dst + 32, second);

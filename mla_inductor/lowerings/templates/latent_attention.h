@@ -13,6 +13,9 @@
 //   o     += p . V      -- p is rounded to bf16 and broadcast as (p_j, p_j+1) pairs, the V rows are
 //                          interleaved pairwise on the fly; o's columns come out permuted within each
 //                          32-column chunk (see paired_column) and are put back in order at the merge.
+// An fp8 cache takes them too where the CPU has no AMX: converted by table in registers for heads that
+// fit one score tile (reads_fp8_as_bf16, with VBMI), else a tile of rows at a time into a thread's
+// scratch (converts_fp8_to_bf16).
 // Otherwise (AVX2 CPUs, fp16, fp32) each row is widened to fp32 once, by the first head tile that reads
 // it, which also stores the copy in a thread's scratch; the other head tiles and the P.V pass read that
 // copy from L1/L2 (widening in every tile would redo the conversion once per head tile and per pass).
@@ -174,35 +177,77 @@ inline int paired_column(int i) {
 // in flight stay few enough for the miss buffers; when the first head tile asked for all of them, it
 // stalled on the prefetches (0-6% slower). From memory, the L2 hint measured faster than L1; moving the
 // next tile to L1 as well is 1-4.5% faster (the first head tile of a row tile waited on its loads).
-template <int64_t D, int MH, int NR, int PREFETCH>
+//
+// Rows of an fp8 cache (reads_fp8_as_bf16) are converted in registers, 64 values (a line) a step, by the
+// byte tables (amx_tiles.h); zero bytes past a row's end convert to zeros, and the query's loads there
+// are masked.
+template <int64_t D, int MH, int NR, int PREFETCH, typename C>
 __attribute__((always_inline)) inline void qk_segment_bf16(__m512 (&acc)[MH][NR], const c10::BFloat16* q,
-                                                           int64_t ldq, const c10::BFloat16* const* rows,
-                                                           const c10::BFloat16* const* to_l2,
-                                                           const c10::BFloat16* const* to_l1) {
-  auto step = [&](int64_t k, auto load) {
-    __m512bh kv[NR];
-    for (int n = 0; n < NR; ++n) kv[n] = load(rows[n] + k);
+                                                           int64_t ldq, const C* const* rows, const C* const* to_l2,
+                                                           const C* const* to_l1) {
+  // (always_inline: a call that only prefetches has no effect GCC must keep, and it drops one it does not
+  // inline; so for every helper that only prefetches)
+  auto prefetch = [&](int64_t k) __attribute__((always_inline)) {
     if constexpr (PREFETCH > 0) {
       for (int n = 0; n < PREFETCH; ++n) _mm_prefetch(reinterpret_cast<const char*>(to_l2[n] + k), _MM_HINT_T1);
       for (int n = 0; n < PREFETCH; ++n) _mm_prefetch(reinterpret_cast<const char*>(to_l1[n] + k), _MM_HINT_T0);
     }
-    for (int h = 0; h < MH; ++h) {
-      const __m512bh qv = load(q + h * ldq + k);
-      for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_dpbf16_ps(acc[h][n], qv, kv[n]);
-    }
   };
-  for (int64_t k = 0; k + 32 <= D; k += 32)
-    step(k, [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); });
-  if constexpr (D % 32 != 0) {
-    constexpr __mmask32 mask = (__mmask32(1) << (D % 32)) - 1;  // zero lanes add 0
-    step(D - D % 32, [](const c10::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); });
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    auto step = [&](int64_t k, auto load) {
+      __m512bh kv[NR];
+      for (int n = 0; n < NR; ++n) kv[n] = load(rows[n] + k);
+      prefetch(k);
+      for (int h = 0; h < MH; ++h) {
+        const __m512bh qv = load(q + h * ldq + k);
+        for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_dpbf16_ps(acc[h][n], qv, kv[n]);
+      }
+    };
+    for (int64_t k = 0; k + 32 <= D; k += 32)
+      step(k, [](const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); });
+    if constexpr (D % 32 != 0) {
+      constexpr __mmask32 mask = (__mmask32(1) << (D % 32)) - 1;  // zero lanes add 0
+      step(D - D % 32, [](const c10::BFloat16* p) { return (__m512bh)_mm512_maskz_loadu_epi16(mask, p); });
+    }
+  } else {
+#if defined(__AVX512VBMI__)
+    const Bf16Table table = fp8_bf16_table<C>();
+    // (masked query loads only in the tail step: with all-ones masks they measured slower, inductor_notes.md)
+    auto step = [&](int64_t k, int count, auto load_query) {
+      __m512i first[NR], second[NR];
+      for (int n = 0; n < NR; ++n) load_fp8x64_as_bf16(rows[n] + k, table, first[n], second[n], count);
+      prefetch(k);
+      for (int h = 0; h < MH; ++h) {
+        __m512bh q0, q1;
+        load_query(q + h * ldq + k, q0, q1);
+        for (int n = 0; n < NR; ++n) {
+          acc[h][n] = _mm512_dpbf16_ps(acc[h][n], q0, (__m512bh)first[n]);
+          acc[h][n] = _mm512_dpbf16_ps(acc[h][n], q1, (__m512bh)second[n]);
+        }
+      }
+    };
+    for (int64_t k = 0; k + 64 <= D; k += 64)
+      step(k, 64, [](const c10::BFloat16* p, __m512bh& q0, __m512bh& q1) __attribute__((always_inline)) {
+        q0 = (__m512bh)_mm512_loadu_si512(p);
+        q1 = (__m512bh)_mm512_loadu_si512(p + 32);
+      });
+    if constexpr (D % 64 != 0) {
+      constexpr int kTail = D % 64;
+      static constexpr __mmask32 kFirst = kTail >= 32 ? ~__mmask32(0) : (__mmask32(1) << kTail) - 1;
+      static constexpr __mmask32 kSecond = kTail <= 32 ? __mmask32(0) : (__mmask32(1) << (kTail - 32)) - 1;
+      step(D - kTail, kTail, [](const c10::BFloat16* p, __m512bh& q0, __m512bh& q1) __attribute__((always_inline)) {
+        q0 = (__m512bh)_mm512_maskz_loadu_epi16(kFirst, p);
+        q1 = (__m512bh)_mm512_maskz_loadu_epi16(kSecond, p + 32);
+      });
+    }
+#endif
   }
 }
 
 // s[h * lds + n] = scale * q[h] . K_n, K_n = key[n][0:D1] | rope[n][0:D2] (D2 = 0: one row holds all).
-template <int64_t D1, int64_t D2, int MH, int NR, int PREFETCH>
-inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10::BFloat16>& tile, float scale,
-                         float* s, int64_t lds) {
+template <int64_t D1, int64_t D2, int MH, int NR, int PREFETCH, typename C>
+inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<C>& tile, float scale, float* s,
+                         int64_t lds) {
   __m512 acc[MH][NR];
   for (int h = 0; h < MH; ++h)
     for (int n = 0; n < NR; ++n) acc[h][n] = _mm512_setzero_ps();
@@ -215,9 +260,9 @@ inline void qk_tile_bf16(const c10::BFloat16* q, int64_t ldq, const KeyTile<c10:
 // o[h, chunk c] = alpha[h] * o[h, chunk c] + sum_j p[h, j] V_j[c .. c + 32), MH heads, n_pairs row pairs;
 // alpha = nullptr: o = sum_j ..., o is not read. p rows hold bf16 probabilities with an even count (a zero
 // pads an odd block).
-template <int MH>
-inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat16* const* rows, int n_pairs,
-                         int64_t c, const float* alpha, float* o, int64_t ldo) {
+template <int MH, typename C>
+inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const C* const* rows, int n_pairs, int64_t c,
+                         const float* alpha, float* o, int64_t ldo) {
   __m512 lo[MH], hi[MH];
   for (int h = 0; h < MH; ++h) {
     if (alpha == nullptr) {
@@ -228,17 +273,32 @@ inline void pv_tile_bf16(const c10::BFloat16* p, int64_t ldp, const c10::BFloat1
     lo[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c));
     hi[h] = _mm512_mul_ps(a, _mm512_loadu_ps(o + h * ldo + c + 16));
   }
+  // the value pairs of rows 2 pr and 2 pr + 1, columns c .. c + 32 (paired_column's order)
+  auto value_pairs = [&]() {
+    if constexpr (std::is_same_v<C, c10::BFloat16>) {
+      return [&](int pr, __m512i& v_lo, __m512i& v_hi) __attribute__((always_inline)) {
+        const __m512i r0 = _mm512_loadu_si512(rows[2 * pr] + c);
+        const __m512i r1 = _mm512_loadu_si512(rows[2 * pr + 1] + c);
+        v_lo = _mm512_unpacklo_epi16(r0, r1);
+        v_hi = _mm512_unpackhi_epi16(r0, r1);
+      };
+    } else {
+#if defined(__AVX512VBMI__)
+      return [&, table = fp8_bf16_table<C>()](int pr, __m512i& v_lo, __m512i& v_hi) __attribute__((always_inline)) {
+        fp8_pairs_to_bf16(rows[2 * pr] + c, rows[2 * pr + 1] + c, table, v_lo, v_hi);
+      };
+#endif
+    }
+  }();
   for (int pr = 0; pr < n_pairs; ++pr) {
-    const __m512i r0 = _mm512_loadu_si512(rows[2 * pr] + c);
-    const __m512i r1 = _mm512_loadu_si512(rows[2 * pr + 1] + c);
-    const __m512bh v_lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-    const __m512bh v_hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    __m512i v_lo, v_hi;
+    value_pairs(pr, v_lo, v_hi);
     for (int h = 0; h < MH; ++h) {
       int32_t pair;
       std::memcpy(&pair, p + h * ldp + 2 * pr, sizeof(pair));
       const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
-      lo[h] = _mm512_dpbf16_ps(lo[h], pp, v_lo);
-      hi[h] = _mm512_dpbf16_ps(hi[h], pp, v_hi);
+      lo[h] = _mm512_dpbf16_ps(lo[h], pp, (__m512bh)v_lo);
+      hi[h] = _mm512_dpbf16_ps(hi[h], pp, (__m512bh)v_hi);
     }
   }
   for (int h = 0; h < MH; ++h) {
@@ -511,12 +571,14 @@ constexpr bool use_bf16_kernels(int64_t L) {
 #endif
 }
 
-// Whether an fp8 cache is converted to bf16 a block at a time for the dpbf16 kernels (convert_block):
-// with AVX512-BF16 and without AMX tiles (Zen 4), for more heads than one direct tile. Those heads'
-// portable kernels copy each row once too (widened to fp32) before their FMA tiles, and Zen 4's
-// vdpbf16ps does twice the multiply-adds of its fp32 FMA (docs/inductor_notes.md). The AMX Xeon's does
-// half, and there this route lost at 4-12 heads (docs/mla_decode.md), so its AMX build keeps the FMA
-// tiles below 16 heads. Unmeasured on Zen 4 so far.
+// Whether an fp8 cache is converted to bf16 a tile of rows at a time for the dpbf16 kernels (convert_rows):
+// with AVX512-BF16 and without AMX tiles (Zen 4, Zen 5), for more heads than one direct tile. Those heads'
+// portable kernels copy each row once too (widened to fp32) before their FMA tiles, and Zen 4's and Zen
+// 5's vdpbf16ps do twice the multiply-adds of their fp32 FMA (benchmarks/instruction_rates.py). On Zen 5
+// a latent row of 22 heads took 133-148 ns so against 247-275 on the FMA tiles (attend_split.py, L2).
+// The AMX Xeon's does half, and there this route lost at 4-12 heads (docs/mla_decode.md), so its AMX
+// build keeps the FMA tiles below 16 heads. Converting each head tile's rows in registers instead of once
+// (reads_fp8_as_bf16's route) measured 1.3-2.2x slower at 22 heads on Zen 5.
 template <typename T, typename C, int H, int64_t L>
 constexpr bool converts_fp8_to_bf16() {
 #if defined(__AVX512BF16__) && !defined(MLA_INDUCTOR_AMX)
@@ -526,10 +588,25 @@ constexpr bool converts_fp8_to_bf16() {
 #endif
 }
 
-// Whether attend_split runs the dpbf16 kernels: over a bf16 cache, or over an fp8 one converted to bf16.
+// Whether the dpbf16 kernels read an fp8 cache's rows where they lie, converting them in registers by the
+// byte tables (VBMI): where converts_fp8_to_bf16 would hold but for heads that fit one score tile (a
+// grouped-query group), whose rows are read by that tile alone, so a converted copy would serve no other.
+// On Zen 5, where the FMA tiles widened them before, a grouped-query fp8 row (4 heads of 128) took 11.5
+// ns in L2 against 15-20, and benchmarks/fp8_cache.py's step 1.41x less time (docs/mla_decode.md, "Zen 5").
+template <typename T, typename C, int H, int64_t L>
+constexpr bool reads_fp8_as_bf16() {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && !defined(MLA_INDUCTOR_AMX)
+  return std::is_same_v<T, c10::BFloat16> && is_fp8<C> && widens_from_cache(H) && L % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+// Whether attend_split runs the dpbf16 kernels: over a bf16 cache, or over an fp8 one converted to bf16
+// (a block at a time, or in registers).
 template <typename T, typename C, int H, int64_t L>
 constexpr bool runs_bf16_kernels() {
-  return use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>();
+  return use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>() || reads_fp8_as_bf16<T, C, H, L>();
 }
 
 // v rounded to P and stored at dst[0, count); returns the rounded values, widened back.
@@ -730,23 +807,29 @@ struct RequestBlocks {
 };
 
 #if defined(__AVX512BF16__)
-// Scores s [H, kKvBlock] of the block's n rows (dpbf16 tiles, with the cache-row prefetches).
-template <int H, int64_t D1, int64_t D2, int64_t L, typename IndexT>
-inline void block_scores_bf16(const c10::BFloat16* q, int64_t ldq, const RequestBlocks<c10::BFloat16, IndexT, D2>& b,
-                              int n, int n_next, float scale, float* s) {
-  using T = c10::BFloat16;
+// What the score pass over a block of cache rows prefetches besides its tiles' rows, per tile of `tile` rows
+// from n0. Grouped-query attention (a value cache of its own): few heads per row, so the kernel is bound
+// by reading the rows, and the tile prefetches (a few rows ahead) leave the stream idle between tiles.
+// Asking, per tile, for the value rows that the P.V pass reads next and for the key rows of the next block
+// keeps it busy: 6.7 -> 12.3 GB/s on one core (benchmarks/gqa_decode.py).
+template <int64_t D1, int64_t L, typename T, typename IndexT, int64_t D2>
+__attribute__((always_inline)) inline void prefetch_values_and_next_keys(const RequestBlocks<T, IndexT, D2>& b, int n0,
+                                                                         int tile, int n_next) {
+  if (!b.own_values) return;
+  prefetch_rows_to_l2(b.value.rows + n0, tile, L * int64_t(sizeof(T)));
+  prefetch_rows_to_l2(b.key.next + n0, std::clamp(n_next - n0, 0, tile), D1 * int64_t(sizeof(T)));
+}
+
+// Scores s [H, kKvBlock] of the block's n rows (dpbf16 tiles, with the cache-row prefetches), over a
+// bf16 cache or an fp8 one read as bf16 (reads_fp8_as_bf16); prefetch_tile(n0, tile) asks for what the
+// rows' own prefetches do not (prefetch_values_and_next_keys).
+template <int H, int64_t D1, int64_t D2, int64_t L, typename T, typename IndexT, typename PrefetchTile>
+inline void block_scores_bf16(const c10::BFloat16* q, int64_t ldq, const RequestBlocks<T, IndexT, D2>& b, int n,
+                              int n_next, float scale, float* s, PrefetchTile&& prefetch_tile) {
   const auto& [key, rope, value, own_values] = b;
   // A tile of rows is loaded once and stays in L1 while every head tile dots with it.
   for (int n0 = 0; n0 < n; n0 += kQkRows) {
-    if (own_values) {
-      // Grouped-query attention: few heads per row, so the kernel is bound by reading the rows, and the
-      // tile prefetches below (a few rows ahead) leave the stream idle between tiles. Asking, per tile,
-      // for the value rows that the P.V pass reads next and for the key rows of the next block keeps
-      // it busy: 6.7 -> 12.3 GB/s on one core (benchmarks/gqa_decode.py).
-      const int tile = std::min(kQkRows, n - n0);
-      prefetch_rows_to_l2(value.rows + n0, tile, L * int64_t(sizeof(T)));
-      prefetch_rows_to_l2(key.next + n0, std::clamp(n_next - n0, 0, tile), D1 * int64_t(sizeof(T)));
-    }
+    prefetch_tile(n0, std::min(kQkRows, n - n0));
     const T* key_to_l2[kQkRows];
     const T* rope_to_l2[kQkRows];
     const T* key_to_l1[kQkRows];
@@ -782,10 +865,10 @@ inline void block_scores_bf16(const c10::BFloat16* q, int64_t ldq, const Request
 
 // o = alpha * o + p . V (alpha = nullptr: o = p . V) over the block's n rows, p in bf16 pairs, heads in
 // balanced tiles of at most kPvHeads.
-template <int H, int64_t L, typename IndexT, int64_t D2>
-inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<c10::BFloat16, IndexT, D2>& b, int n,
-                          const float* alpha, SoftmaxState& st) {
-  const c10::BFloat16* const* value_rows = b.own_values ? b.value.rows : b.key.rows;
+template <int H, int64_t L, typename T, typename IndexT, int64_t D2>
+inline void block_pv_bf16(const c10::BFloat16* p, const RequestBlocks<T, IndexT, D2>& b, int n, const float* alpha,
+                          SoftmaxState& st) {
+  const T* const* value_rows = b.own_values ? b.value.rows : b.key.rows;
   constexpr int kHeadTiles = (H + kPvHeads - 1) / kPvHeads;
   constexpr int kTileHeads = (H + kHeadTiles - 1) / kHeadTiles;
   for (int h0 = 0; h0 < H; h0 += kTileHeads) {
@@ -813,19 +896,27 @@ inline void fp8_row_to_bf16(const C* src, int64_t n, c10::BFloat16* dst) {
 #endif
 }
 
-// How many rows ahead of its own a block's conversion prefetches the cache (on into the next block).
+// How many rows ahead of the rows it converts the score pass prefetches the cache (on into the next block).
 constexpr int kConvertAhead = 8;
 
-// The block's n fp8 rows in bf16 (converts_fp8_to_bf16) and the dpbf16 kernels' view of them: key row i
-// (its rope columns after its first D1) at keys + i * (D1 + D2), an own value row at values + i * L; past
-// the last row, rows kKvBlock of both, which hold zeros (an odd block's pad). The view has no next
-// block: the conversion is the pass that reads the cache, and prefetches it.
+// Rows [i0, i0 + count) of the block's n fp8 rows in bf16 (converts_fp8_to_bf16), and the dpbf16 kernels'
+// view of them: key row i (its rope columns after its first D1) at keys + i * (D1 + D2), an own value row
+// at values + i * L; past the last row, rows kKvBlock of both, which hold zeros (an odd block's pad). The
+// score pass converts each tile of rows before its products (block_scores_bf16's prefetch_tile), so the
+// cache rows' reads overlap the products, as they do over a bf16 cache. (Converted a block at a time
+// before the score pass, the reads came in a burst and waited on the memory: on Zen 5 a latent fp8 row
+// took 165-172 ns from memory on one thread against 133 in L2, tasks of 512 rows; so, 141-143.)
+// The view has no next block: the cache rows are prefetched here.
 template <int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
-inline void convert_block(const RequestBlocks<C, IndexT, D2>& b, int n, int n_next, c10::BFloat16* keys,
-                          c10::BFloat16* values, RequestBlocks<c10::BFloat16, IndexT, D2>& view) {
+inline void convert_rows(const RequestBlocks<C, IndexT, D2>& b, int i0, int count, int n, int n_next,
+                         c10::BFloat16* keys, c10::BFloat16* values, RequestBlocks<c10::BFloat16, IndexT, D2>& view) {
   constexpr int64_t D = D1 + D2;
-  view.own_values = b.own_values;
-  for (int i = 0; i < n; ++i) {
+  if (i0 == 0) {
+    view.own_values = b.own_values;
+    view.key.rows[n] = keys + kKvBlock * D;
+    view.value.rows[n] = values + kKvBlock * L;
+  }
+  for (int i = i0; i < i0 + count; ++i) {
     prefetch_block_rows(b.key, i + kConvertAhead, 1, n, n_next, D1 * int64_t(sizeof(C)));
     if constexpr (D2 > 0) prefetch_block_rows(b.rope, i + kConvertAhead, 1, n, n_next, D2 * int64_t(sizeof(C)));
     if (b.own_values) prefetch_block_rows(b.value, i + kConvertAhead, 1, n, n_next, L * int64_t(sizeof(C)));
@@ -837,8 +928,6 @@ inline void convert_block(const RequestBlocks<C, IndexT, D2>& b, int n, int n_ne
     if constexpr (D2 > 0) view.rope.rows[i] = key + D1;
     view.value.rows[i] = values + i * L;
   }
-  view.key.rows[n] = keys + kKvBlock * D;
-  view.value.rows[n] = values + kKvBlock * L;
 }
 #endif
 
@@ -866,8 +955,8 @@ inline const T* row_or_next(const BlockRows<T, IndexT>& rows, int i, int n, int 
 
 // Prefetches rows [i0, i0 + count) of the block (continuing into the next) into L2, `bytes` each.
 template <typename T, typename IndexT>
-inline void prefetch_block_rows(const BlockRows<T, IndexT>& rows, int i0, int count, int n, int n_next,
-                                int64_t bytes) {
+__attribute__((always_inline)) inline void prefetch_block_rows(const BlockRows<T, IndexT>& rows, int i0, int count,
+                                                               int n, int n_next, int64_t bytes) {
   for (int i = i0; i < i0 + count; ++i)
     if (const T* row = row_or_next(rows, i, n, n_next)) prefetch_rows_to_l2(&row, 1, bytes);
 }
@@ -1512,7 +1601,7 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
     }
   }
   // kConvert: a block's rows in bf16, keys [kKvBlock + 1, D] then own values [kKvBlock + 1, L] (the last
-  // row of each zeros, for an odd block's pad), and the dpbf16 kernels' view of them (convert_block)
+  // row of each zeros, for an odd block's pad), and the dpbf16 kernels' view of them (convert_rows)
   c10::BFloat16* converted_keys = nullptr;
   c10::BFloat16* converted_values = nullptr;
   [[maybe_unused]] std::conditional_t<kConvert, RequestBlocks<c10::BFloat16, IndexT, D2>, bool> converted;
@@ -1554,12 +1643,16 @@ inline void attend_split(const T* q, int64_t ldq, const RequestRows<C, IndexT>& 
 #endif
     } else if constexpr (kConvert) {
 #if defined(__AVX512BF16__)
-      convert_block<D1, D2, L>(b, n, n_next, converted_keys, converted_values, converted);
-      block_scores_bf16<H, D1, D2, L>(q, ldq, converted, n, 0, scale / kWidenedScale<C>, s);
+      block_scores_bf16<H, D1, D2, L>(q, ldq, converted, n, 0, scale / kWidenedScale<C>, s, [&](int n0, int tile) {
+        convert_rows<D1, D2, L>(b, n0, tile, n, n_next, converted_keys, converted_values, converted);
+      });
 #endif
     } else if constexpr (kBf16) {
 #if defined(__AVX512BF16__)
-      block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale, s);
+      block_scores_bf16<H, D1, D2, L>(q, ldq, b, n, n_next, scale / kWidenedScale<C>, s,
+                                       [&](int n0, int tile) __attribute__((always_inline)) {
+        prefetch_values_and_next_keys<D1, L>(b, n0, tile, n_next);
+      });
 #endif
     } else {
       values_checked = block_scores_fp32<H, D1, D2, L>(qf, b, n, n_next, scale / kWidenedScale<C>, s, keys);
