@@ -603,7 +603,7 @@ constexpr bool reads_fp8_as_bf16() {
 }
 
 // Whether attend_split runs the dpbf16 kernels: over a bf16 cache, or over an fp8 one converted to bf16
-// (a block at a time, or in registers).
+// (into a thread's scratch, or in registers).
 template <typename T, typename C, int H, int64_t L>
 constexpr bool runs_bf16_kernels() {
   return use_bf16_kernels<T, C>(L) || converts_fp8_to_bf16<T, C, H, L>() || reads_fp8_as_bf16<T, C, H, L>();
@@ -911,8 +911,13 @@ template <int64_t D1, int64_t D2, int64_t L, typename C, typename IndexT>
 inline void convert_rows(const RequestBlocks<C, IndexT, D2>& b, int i0, int count, int n, int n_next,
                          c10::BFloat16* keys, c10::BFloat16* values, RequestBlocks<c10::BFloat16, IndexT, D2>& view) {
   constexpr int64_t D = D1 + D2;
-  if (i0 == 0) {
+  if (i0 == 0) {  // every row's place, before the score tiles' prefetches read those of the rows ahead
     view.own_values = b.own_values;
+    for (int i = 0; i < n; ++i) {
+      view.key.rows[i] = keys + i * D;
+      if constexpr (D2 > 0) view.rope.rows[i] = keys + i * D + D1;
+      view.value.rows[i] = values + i * L;
+    }
     view.key.rows[n] = keys + kKvBlock * D;
     view.value.rows[n] = values + kKvBlock * L;
   }
@@ -920,13 +925,9 @@ inline void convert_rows(const RequestBlocks<C, IndexT, D2>& b, int i0, int coun
     prefetch_block_rows(b.key, i + kConvertAhead, 1, n, n_next, D1 * int64_t(sizeof(C)));
     if constexpr (D2 > 0) prefetch_block_rows(b.rope, i + kConvertAhead, 1, n, n_next, D2 * int64_t(sizeof(C)));
     if (b.own_values) prefetch_block_rows(b.value, i + kConvertAhead, 1, n, n_next, L * int64_t(sizeof(C)));
-    c10::BFloat16* key = keys + i * D;
-    fp8_row_to_bf16(b.key.rows[i], D1, key);
-    if constexpr (D2 > 0) fp8_row_to_bf16(b.rope.rows[i], D2, key + D1);
+    fp8_row_to_bf16(b.key.rows[i], D1, keys + i * D);
+    if constexpr (D2 > 0) fp8_row_to_bf16(b.rope.rows[i], D2, keys + i * D + D1);
     if (b.own_values) fp8_row_to_bf16(b.value.rows[i], L, values + i * L);
-    view.key.rows[i] = key;
-    if constexpr (D2 > 0) view.rope.rows[i] = key + D1;
-    view.value.rows[i] = values + i * L;
   }
 }
 #endif
