@@ -12,6 +12,7 @@ import mla_inductor
 from graph_utils import fired, greedy, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
 from mla_inductor import benchmarking, isa
 from mla_inductor.lowerings.segment_gemm import can_pack, packs_rows
+from mla_inductor.patterns import linear as linear_patterns
 
 
 def randn(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
@@ -193,12 +194,34 @@ def test_not_on_conv1d_weights_computed_weights_or_fp32(emulated_16_bit):
     assert fired(events, "linear") == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_nothing_where_the_gemm_is_native(monkeypatch, dtype):
-    """Native for `dtype`, emulated for the other 16-bit dtype: a Linear in `dtype` stays."""
-    monkeypatch.setattr(isa, "native_gemm", lambda d: d in (dtype, torch.float32))
-    _, events = rewrite_and_run(nn.Linear(40, 24).to(dtype).eval(), randn(3, 40, dtype=dtype))
+@pytest.fixture
+def native_16_bit(monkeypatch):
+    """The rewrite as a CPU with native bf16 and fp16 GEMMs and without AMX makes it, on every CPU."""
+    monkeypatch.setattr(isa, "native_gemm", lambda dtype: True)
+    monkeypatch.setattr(isa, "host_isa", lambda: "avx512_bf16")
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_native_bf16_gemm_only_at_decode_rows(native_16_bit, freezing):
+    """Where oneDNN's bf16 GEMM is native the template wins only at a few rows (its one-row GEMV streams
+    the weights at half the memory's rate): static rows up to the limit are rewritten, more rows,
+    rows known only at run time and fp16 Linears stay."""
+    limit = linear_patterns.MAX_NATIVE_ROWS_FROZEN if freezing else linear_patterns.MAX_NATIVE_ROWS_UNFROZEN
+    module = nn.Linear(40, 24).to(torch.bfloat16).eval()
+    with torch._inductor.config.patch(freezing=freezing):
+        for rows, taken in [(1, 1), (limit, 1), (limit + 1, 0)]:
+            _, events = rewrite_and_run(module, randn(rows, 40))
+            assert fired(events, "linear") == taken, rows
+    _, events = rewrite_and_run(module, randn(3, 40), dynamic=True)
     assert fired(events, "linear") == 0
+    _, events = rewrite_and_run(nn.Linear(40, 24).to(torch.float16).eval(), randn(3, 40, dtype=torch.float16))
+    assert fired(events, "linear") == 0
+
+
+def test_native_bf16_gemm_on_amx_keeps_four_rows(native_16_bit, monkeypatch):
+    monkeypatch.setattr(isa, "host_isa", lambda: "amx")
+    module = nn.Linear(40, 24).to(torch.bfloat16).eval()
+    assert [fired(rewrite_and_run(module, randn(rows, 40))[1], "linear") for rows in (4, 5)] == [1, 0]
 
 
 def test_switched_off_by_name(emulated_16_bit):
@@ -212,8 +235,8 @@ def test_switched_off_by_name(emulated_16_bit):
 
 @pytest.mark.parametrize("freezing", [False, True])
 def test_llama_bf16_static_cache_decode_compiled(freezing):
-    """The compiled decode of a bf16 Llama: the same tokens as eager, the Linears rewritten where the CPU
-    emulates bf16 GEMMs (here for real: the C++ is built and run) and left to oneDNN where it does not."""
+    """The compiled decode of a bf16 Llama: the same tokens as eager, the Linears rewritten (here for real:
+    the C++ is built and run), whether the CPU emulates bf16 GEMMs or not: a step's two rows are decode's."""
     model = tiny_gqa_model("llama", torch.bfloat16)
     prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
@@ -224,5 +247,5 @@ def test_llama_bf16_static_cache_decode_compiled(freezing):
                              backend="mla_inductor")
     with torch._inductor.config.patch(freezing=freezing):
         actual, _ = greedy(model, cache, prompt, 4, compiled)
-    assert mla_inductor.fusion_counts()["linear"] == (0 if isa.native_bf16_gemm() else 2 * 4 + 1)
+    assert mla_inductor.fusion_counts()["linear"] == 2 * 4 + 1
     assert torch.equal(actual, expected)
