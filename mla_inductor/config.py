@@ -23,6 +23,7 @@ FUSIONS = (
     "gqa_qkv",
     "gqa_decode",
     "linear",
+    "moe",
 )
 
 OPTION_PREFIX = "mla_inductor."

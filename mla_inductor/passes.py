@@ -88,6 +88,10 @@ class MLAPass(CustomGraphPass):
         # absorbed query is q_b_absorb's). Bounded: every round replaces subgraphs by fewer ops.
         for _ in range(_MAX_ROUNDS):
             matched = pattern_pass(self.stage).apply(graph)
+            if matched:
+                # A multi-output replacement may stand before one of its inputs (see below), and the
+                # anchored rewrites' dead-code elimination lints the graph's order.
+                stable_topological_sort(graph)
             rewritten = apply_anchored_rewrites(graph, self.stage)
             if not (matched or rewritten):
                 break

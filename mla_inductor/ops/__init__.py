@@ -9,3 +9,4 @@ from . import qkv_proj_with_rope  # noqa: F401
 from . import gqa_qkv  # noqa: F401
 from . import gqa_decode  # noqa: F401
 from . import linear  # noqa: F401
+from . import moe  # noqa: F401
