@@ -11,7 +11,10 @@ variant, and times all variants in one process, interleaved:
 - mla_inductor: `backend="mla_inductor"` with the same freezing options, so that the ratio to
   stock-frozen isolates this project's passes.
 
-Models: the serving-style DeepSeek (models/mla.py), transformers DeepseekV3, transformers Llama.
+Models: the serving-style DeepSeek (models/mla.py); transformers DeepSeek as released ("hf": DeepseekV2 at
+V2-Lite's shape with its MoE, 64 routed experts of 1408, 2 shared, top-6, the first layer dense, three
+MoE layers after it) and with dense MLPs ("hf-dense", DeepseekV3); transformers Llama. A decode step's
+bytes count the routed experts its tokens select, not the others.
 Every case reports the fraction of its roofline: the larger of (weights + the KV cache read) over the
 copy bandwidth and FLOPs over the best oneDNN GEMM throughput this CPU has for the dtype (bf16 where
 oneDNN has it natively, else fp32: `isa.roof_gemm_dtype`), both measured in this run. Decode is mostly
@@ -54,6 +57,7 @@ VARIANTS = ("eager", "stock", "stock-frozen", "mla_inductor")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIN_DECODE_WEIGHT_BYTES = 160 << 20  # comfortably beyond 128 MiB, four times the 32 MiB L3
 BLOCK_SIZE = 16
+MOE_LAYERS = 3  # MoE layers of the "hf" model (V2-Lite's layout) after its dense first layer
 # Seconds of timing per case, past which a case takes fewer calls per round (and three rounds): a bf16
 # prefill case runs seconds per call where oneDNN has no native bf16.
 TIMING_BUDGET_S = 120.0
@@ -85,7 +89,8 @@ LLAMA2 = LlamaShape(name="llama-2-7b", family="llama2", num_kv_heads=32, interme
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    model: str  # "serving", "hf" (transformers DeepseekV3), "llama", "llama2" or "qwen3" (transformers')
+    model: str  # "serving", "hf" (transformers DeepseekV2, MoE), "hf-dense" (DeepseekV3, dense MLPs), "llama",
+    # "llama2" or "qwen3" (transformers')
     phase: str  # "decode" or "prefill"
     batch: int
     context: int  # decode: cached tokens incl. the new one; prefill: prompt tokens
@@ -152,25 +157,64 @@ def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: in
     return Workload(model, fn, args, lambda: None, weight_bytes(model), kv_bytes, flops)
 
 
+def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE layers' experts modules (transformers' stacked gate_up_proj / down_proj)."""
+    return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)]
+
+
+def _selected_expert_bytes(model: torch.nn.Module, step: Callable[[], object]) -> int:
+    """The bytes of the routed experts one call of `step` selects: each MoE layer's experts chosen by any
+    of its tokens, read once (what the fused experts read; stock's grouped_mm reads the same bytes of
+    them, and loops over the others without reading them)."""
+    chosen = []
+    hooks = [experts.register_forward_hook(lambda module, args, out: chosen.append((module, args[1])))
+             for experts in _experts(model)]
+    try:
+        with torch.no_grad():
+            step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = 0
+    for experts, top_k_index in chosen:
+        per_expert = sum(p[0].numel() * p.element_size() for p in (experts.gate_up_proj, experts.down_proj))
+        total += int(top_k_index.unique().numel()) * per_expert
+    return total
+
+
 def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
+    """transformers' DeepSeek: "hf" with the config's released MoE layout (V2-Lite's: DeepseekV2, 64
+    routed experts of 1408, 2 shared, top-6, the first layer dense), "hf-dense" the DeepseekV3 model
+    with a dense MLP in every layer. Decode's bytes count the routed experts its tokens select."""
     from .models.hf import build_hf_model  # needs transformers, which only the hf cases do
 
-    model = quantized(build_hf_model(config, arch="v3", dtype=dtype, seed=seed), case.quant)
+    moe = case.model == "hf"
+    model = build_hf_model(config, arch="v2" if moe else "v3", dtype=dtype, seed=seed, moe=moe)
+    model = quantized(model, case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
+    experts = _experts(model)
+    expert_elements = sum(e.gate_up_proj[0].numel() + e.down_proj[0].numel() for e in experts)
+    top_k = config.num_experts_per_tok
     linear = _matmul_weight_elements(model)
-    wbytes = weight_bytes(model, exclude=("model.embed_tokens",))
+    wbytes = weight_bytes(model, exclude=("model.embed_tokens",) + tuple(
+        name for name, m in model.named_modules() if m in experts))
     if case.phase == "prefill":
         ids = torch.randint(0, config.vocab_size, (b, ctx), generator=gen)
-        flops = 2.0 * b * ctx * linear + config.num_layers * _attention_flops(config, b, ctx, ctx, False) / 2
+        flops = 2.0 * b * ctx * (linear + top_k * expert_elements)
+        flops += config.num_layers * _attention_flops(config, b, ctx, ctx, False) / 2
 
         def prefill(input_ids):
             return model(input_ids=input_ids, use_cache=False).logits
 
+        wbytes += _selected_expert_bytes(model, lambda: prefill(ids))
         return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
 
     decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
-    flops = 2.0 * b * linear + config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
+    reset()
+    wbytes += _selected_expert_bytes(model, lambda: decode(ids))
+    flops = 2.0 * b * (linear + top_k * expert_elements)
+    flops += config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
 
 
@@ -290,8 +334,8 @@ def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
 ) -> dict:
-    builders = {"serving": serving_workload, "hf": hf_workload, "llama": llama_workload, "llama2": llama_workload,
-                "qwen3": llama_workload}
+    builders = {"serving": serving_workload, "hf": hf_workload, "hf-dense": hf_workload, "llama": llama_workload,
+                "llama2": llama_workload, "qwen3": llama_workload}
     build = builders[case.model]
     workload = build(config, case, dtype)
     fns, counts = {}, {}
@@ -323,6 +367,11 @@ def run_case(
         "roofline_fraction": {v: roofline / t for v, t in times.items()},
         "fusion_counts": counts,
     }
+    # what a user compares: decode tokens per second (a token per request a step), prefill time to first token
+    if case.phase == "decode":
+        result["tokens_per_s"] = {v: case.batch / t for v, t in times.items()}
+    else:
+        result["time_to_first_token_s"] = dict(times)
     if "mla_inductor" in times:
         ours = times["mla_inductor"]
         result["speedup"] = {
@@ -337,7 +386,8 @@ def run_case(
 def to_markdown(report: dict) -> str:
     variants = report["variants"]
     head = ["case", "layers"] + [f"{v} ms" for v in variants]
-    head += ["x eager", "x stock", "x stock best", "roofline (ours)", "roofline (stock best)", "bound", "fusions"]
+    head += ["x eager", "x stock", "x stock best", "tok/s or TTFT (ours; stock best)", "roofline (ours)",
+             "roofline (stock best)", "bound", "fusions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["results"]:
         t = r["times_s"]
@@ -346,6 +396,12 @@ def to_markdown(report: dict) -> str:
         frac = r["roofline_fraction"]
         row = [r["label"], str(r["layers"])] + [f"{t[v] * 1e3:.2f}" for v in variants]
         row += [f"{s.get(k, math.nan):.2f}" for k in ("vs_eager", "vs_stock", "vs_stock_best")]
+        ours, stock = t.get("mla_inductor", math.nan), t[best] if best else math.nan
+        if "tokens_per_s" in r:
+            batch = r["case"]["batch"]
+            row.append(f"{batch / ours:.1f} tok/s; {batch / stock:.1f}")
+        else:
+            row.append(f"TTFT {ours * 1e3:.0f} ms; {stock * 1e3:.0f}")
         row += [f"{frac.get('mla_inductor', math.nan):.0%}", f"{frac[best]:.0%}" if best else "-", r["roofline_bound"]]
         row.append(", ".join(f"{k}={v}" for k, v in r["fusion_counts"].items()) or "none")
         lines.append("| " + " | ".join(row) + " |")
@@ -372,7 +428,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     results = [r for r in report["results"] if "speedup" in r]
     labels = [r["label"] for r in results]
     keys = (("vs_eager", "vs eager"), ("vs_stock", "vs stock compile"), ("vs_stock_best", "vs stock at its best"))
-    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(labels)), 4))
+    fig, (ax, roof) = plt.subplots(1, 2, figsize=(2 * max(6, 1.4 * len(labels)), 4))
     width = 0.8 / len(keys)
     for i, (key, name) in enumerate(keys):
         ax.bar([x + i * width for x in range(len(labels))], [r["speedup"][key] for r in results], width, label=name)
@@ -381,6 +437,19 @@ def plot(report: dict, path: pathlib.Path) -> None:
     ax.set_ylabel("speedup of mla_inductor (x)")
     ax.set_title(f"mla_inductor speedup ({report['dtype']}, median of interleaved rounds)")
     ax.legend(fontsize=8)
+
+    def stock_best(r):
+        return max((f for v, f in r["roofline_fraction"].items() if v.startswith("stock")), default=math.nan)
+
+    width = 0.4
+    for i, (name, fraction) in enumerate((("mla_inductor", lambda r: r["roofline_fraction"]["mla_inductor"]),
+                                          ("stock at its best", stock_best))):
+        roof.bar([x + i * width for x in range(len(labels))], [fraction(r) for r in results], width, label=name)
+    roof.axhline(1.0, color="black", linewidth=0.8)
+    roof.set_xticks([x + width / 2 for x in range(len(labels))], labels, rotation=30, ha="right", fontsize=8)
+    roof.set_ylabel("fraction of the roofline")
+    roof.set_title(f"{report['machine']['cpu']}, ISA {report['machine']['isa']}", fontsize=9)
+    roof.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -389,7 +458,9 @@ def plot(report: dict, path: pathlib.Path) -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m mla_inductor.report", description=__doc__.splitlines()[0])
     # all: the DeepSeek models and Llama; Qwen3 (gqa_qkv with head norms) and Llama-2 (multi-head) when named
-    p.add_argument("--model", nargs="+", choices=("serving", "hf", "llama", "llama2", "qwen3", "all"), default=["all"])
+    # hf: transformers' DeepSeek-V2 with its released MoE layout; hf-dense: DeepseekV3 with dense MLPs
+    p.add_argument("--model", nargs="+", choices=("serving", "hf", "hf-dense", "llama", "llama2", "qwen3", "all"),
+                   default=["all"])
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
@@ -446,6 +517,10 @@ def model_config(args: argparse.Namespace, model: str, dtype: torch.dtype) -> ML
     config = get_config(args.serving_config if model == "serving" else args.hf_config, vocab_size=args.vocab)
     if args.layers:
         return config.replace(num_layers=args.layers)
+    if model == "hf":
+        # the dense first layers and MOE_LAYERS MoE layers: each reads 138 MB of selected and shared
+        # experts at one token (V2-Lite), past any L3 here, and holds 1.1 GiB
+        return config.replace(num_layers=config.first_k_dense_replace + MOE_LAYERS)
     one_layer = config.replace(num_layers=1, vocab_size=1)
     per_layer = (
         weight_bytes(build_model(one_layer, dtype=dtype, quant=SERVING_QUANT[args.quant]))

@@ -74,10 +74,10 @@ def test_every_quick_workload_runs_eagerly(quant):
     """What the compiled test above leaves out: every model and phase of `--quick` builds its workload,
     whose step runs (eagerly: the compiled step is the same function) and repeats after each reset, as
     the report calls it."""
-    models = ["all"] if quant == "fp8" else ["all", "qwen3", "llama2"]  # Qwen3 and Llama-2 have no fp8 form
+    models = ["all", "hf-dense"] + ([] if quant == "fp8" else ["qwen3", "llama2"])  # no fp8 Qwen3 or Llama-2
     args = report.parse_args(["--quick", "--quant", quant, "--model", *models])
-    builders = {"serving": report.serving_workload, "hf": report.hf_workload, "llama": report.llama_workload,
-                "llama2": report.llama_workload, "qwen3": report.llama_workload}
+    builders = {"serving": report.serving_workload, "hf": report.hf_workload, "hf-dense": report.hf_workload,
+                "llama": report.llama_workload, "llama2": report.llama_workload, "qwen3": report.llama_workload}
     for case in report.build_cases(args):
         workload = builders[case.model](report.model_config(args, case.model, torch.bfloat16), case, torch.bfloat16)
         assert workload.weight_bytes > 0 and workload.flops > 0, case.label
@@ -87,3 +87,19 @@ def test_every_quick_workload_runs_eagerly(quant):
             workload.reset()
             again = workload.fn(*workload.args)
         assert torch.isfinite(first).all() and torch.equal(first, again), case.label
+
+
+def test_hf_is_deepseek_with_its_moe_and_decode_reads_the_experts_its_token_selects():
+    """"hf" is transformers' DeepSeek-V2 with the config's MoE layout (the first layer dense); a one-token
+    step's bytes hold top-k routed experts per MoE layer, not all of them; "hf-dense" has no experts."""
+    args = report.parse_args(["--quick", "--model", "hf", "hf-dense", "--phase", "decode", "--batch", "1",
+                              "--context", "64"])
+    config = report.model_config(args, "hf", torch.bfloat16)
+    moe, dense = (report.hf_workload(config, case, torch.bfloat16) for case in report.build_cases(args))
+    experts = report._experts(moe.module)
+    assert type(moe.module).__name__ == "DeepseekV2ForCausalLM" and not report._experts(dense.module)
+    assert len(experts) == config.num_layers - config.first_k_dense_replace > 0
+    per_expert = 2 * (experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel())
+    everything = weight_bytes(moe.module, exclude=("model.embed_tokens",))
+    routed = len(experts) * config.n_routed_experts * per_expert
+    assert moe.weight_bytes == everything - routed + len(experts) * config.num_experts_per_tok * per_expert

@@ -24,6 +24,15 @@ class MLAConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[tuple[tuple[str, float], ...]] = None  # YaRN parameters as in the released configs
     max_position_embeddings: int = 4096
+    # The released MoE layout (transformers' names): routed experts of moe_intermediate_size, shared
+    # experts as one MLP of n_shared_experts times that, num_experts_per_tok routed per token; the first
+    # first_k_dense_replace layers have a dense MLP of intermediate_size. n_routed_experts 0: every MLP
+    # dense (the serving model has none).
+    n_routed_experts: int = 0
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    first_k_dense_replace: int = 0
 
     @property
     def qk_head_dim(self) -> int:
@@ -96,6 +105,11 @@ DEEPSEEK_V2_LITE = MLAConfig(
     num_layers=27,
     vocab_size=102400,
     intermediate_size=10944,
+    n_routed_experts=64,
+    n_shared_experts=2,
+    num_experts_per_tok=6,
+    moe_intermediate_size=1408,
+    first_k_dense_replace=1,
     rope_scaling=(
         ("factor", 40.0),
         ("original_max_position_embeddings", 4096),
@@ -121,6 +135,11 @@ TINY = MLAConfig(
     num_layers=2,
     vocab_size=512,
     intermediate_size=512,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=3,
+    moe_intermediate_size=96,
+    first_k_dense_replace=1,
     rope_scaling=_DEEPSEEK_V3_YARN,
     max_position_embeddings=4096,
 )

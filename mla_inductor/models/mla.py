@@ -274,6 +274,13 @@ def init_weights_(model: nn.Module, seed: int) -> nn.Module:
             elif type(module).__name__.endswith("RMSNorm"):  # ours and transformers'
                 # Not ones: a ones weight would hide a dropped multiply.
                 module.weight.normal_(1.0, 0.1, generator=generator)
+            elif type(module).__name__.endswith("TopkRouter"):  # transformers' MoE router [E, hidden]
+                # Not zeros (its default): every token would pick the same experts, by their index.
+                module.weight.normal_(0.0, module.weight.shape[1] ** -0.5, generator=generator)
+            for name in ("gate_up_proj", "down_proj"):  # transformers' stacked experts [E, out, in]
+                weight = getattr(module, name, None)
+                if isinstance(weight, nn.Parameter) and weight.dim() == 3:
+                    weight.normal_(0.0, weight.shape[2] ** -0.5, generator=generator)
     return model
 
 
