@@ -12,7 +12,6 @@ selected experts at oneDNN's best GEMM rate. Asserts nothing.
 """
 
 import argparse
-import contextlib
 
 import torch
 import transformers
@@ -77,7 +76,6 @@ def main():
     model = model.to(torch.bfloat16).eval()
     gemm = benchmarking.gemm_throughput()
     copy, copy_bytes = benchmarking.copy_probe()
-    frozen = benchmarking.frozen_options()
     print(f"{benchmarking.machine_line()}; {args.blocks} blocks, experts '{args.experts}'; oneDNN "
           f"{benchmarking.isa.roof_gemm_name()} GEMM {gemm / 1e9:.0f} GFLOP/s")
     print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best | MB read "
@@ -86,20 +84,8 @@ def main():
     for rows in args.rows:
         h = (torch.randn(1, rows, HIDDEN) * 0.5).to(torch.bfloat16)
         nbytes, flops = bytes_and_flops(model, h)
-        variants = {
-            "eager": (model, False),
-            "stock": (torch.compile(model, dynamic=False), False),
-            "stock frozen": (torch.compile(model, dynamic=False, options=frozen), True),
-            "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), False),
-            "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), True),
-        }
-        fns = {}
         record.reset_counts()
-        for name, (fn, freeze) in variants.items():
-            with torch.no_grad(), (benchmarking.inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
-                                   else contextlib.nullcontext()):
-                fn(h)
-            fns[name] = lambda fn=fn: fn(h)
+        fns = benchmarking.compiled_variants(model, (h,))
         fired = record.fusion_counts()["moe"]
         fns["copy"] = copy
         with torch.no_grad():
@@ -107,7 +93,7 @@ def main():
         bandwidth = copy_bytes / t["copy"]
         roofline = max(nbytes / bandwidth, flops / gemm)
         stock, mla = min(t["stock"], t["stock frozen"]), min(t["mla"], t["mla frozen"])
-        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in variants)
+        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in benchmarking.VARIANTS)
               + f" | {stock / mla:.2f} | {nbytes / 1e6:.0f} | {bandwidth / 1e9:.1f} | {roofline / mla:.0%} "
               f"| {roofline / stock:.0%} | {nbytes / mla / 1e9:.1f} | {fired} |", flush=True)
         torch._dynamo.reset()

@@ -204,6 +204,29 @@ def inference_freezing(enable_concat_linear: bool = True):
         yield
 
 
+VARIANTS = ("eager", "stock", "stock frozen", "mla", "mla frozen")
+
+
+def compiled_variants(model: torch.nn.Module, inputs: tuple) -> dict[str, Callable[[], object]]:
+    """A call of `model(*inputs)` for each of VARIANTS, compiled (and run once) here: eager, stock
+    torch.compile frozen (`frozen_options`) and not, mla_inductor frozen and not."""
+    frozen = frozen_options()
+    variants = {
+        "eager": (model, False),
+        "stock": (torch.compile(model, dynamic=False), False),
+        "stock frozen": (torch.compile(model, dynamic=False, options=frozen), True),
+        "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), False),
+        "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), True),
+    }
+    fns = {}
+    for name, (fn, freeze) in variants.items():
+        with torch.no_grad(), (inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
+                               else contextlib.nullcontext()):
+            fn(*inputs)
+        fns[name] = lambda fn=fn: fn(*inputs)
+    return fns
+
+
 def weight_stream_table(
     model: torch.nn.Module,
     make_input: Callable[[int], tuple],
@@ -225,27 +248,14 @@ def weight_stream_table(
     gemm = gemm_throughput()
     print(f"{machine_line()}; weights {weight_bytes / 2**20:.0f} MiB; read bandwidth {read / 1e9:.1f} GB/s; "
           f"oneDNN {isa.roof_gemm_name()} GEMM {gemm / 1e9:.0f} GFLOP/s")
-    frozen = frozen_options()
     copy, copy_bytes = copy_probe()
     print("| rows | eager ms | stock ms | stock frozen ms | mla ms | mla frozen ms | x stock best "
           "| copy GB/s in the rounds | roofline: copy bw | roofline: read bw | weights GB/s | fired |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for rows in rows_list:
         inputs = make_input(rows)
-        variants = {
-            "eager": (model, False),
-            "stock": (torch.compile(model, dynamic=False), False),
-            "stock frozen": (torch.compile(model, dynamic=False, options=frozen), True),
-            "mla": (torch.compile(model, backend="mla_inductor", dynamic=False), False),
-            "mla frozen": (torch.compile(model, backend="mla_inductor", dynamic=False, options=frozen), True),
-        }
-        fns = {}
         record.reset_counts()
-        for name, (fn, freeze) in variants.items():
-            with torch.no_grad(), (inference_freezing(frozen["cpp.enable_concat_linear"]) if freeze
-                                   else contextlib.nullcontext()):
-                fn(*inputs)
-            fns[name] = lambda fn=fn: fn(*inputs)
+        fns = compiled_variants(model, inputs)
         fired = record.fusion_counts()[fusion]
         fns["copy"] = copy
         with torch.no_grad():
@@ -256,7 +266,7 @@ def weight_stream_table(
         compute = rows * flop_per_row / gemm
         roofline_copy = max(weight_bytes / copy_in_rounds, compute)
         roofline_read = max(weight_bytes / read, compute)
-        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in variants)
+        print(f"| {rows} | " + " | ".join(f"{t[k] * 1e3:.2f}" for k in VARIANTS)
               + f" | {best_stock / best_mla:.2f} | {copy_in_rounds / 1e9:.1f} | {roofline_copy / best_mla:.0%}"
               f" | {roofline_read / best_mla:.0%} | {weight_bytes / best_mla / 1e9:.1f} | {fired} |", flush=True)
         torch._dynamo.reset()

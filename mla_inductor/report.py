@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import gc
 import json
 import math
 import pathlib
@@ -330,6 +331,43 @@ def compile_variant(variant: str, workload: Workload) -> tuple[Callable[[], obje
     return call, counts
 
 
+def release_compiled() -> None:
+    """Free what a case's compiles hold that the next case does not need: Dynamo's code and the
+    generated modules Inductor keeps loaded with their frozen constants (not all of it: see
+    run_case_in_own_process)."""
+    from torch._inductor.codecache import PyCodeCache
+
+    torch._dynamo.reset()
+    PyCodeCache.cache_clear()
+    gc.collect()
+
+
+class _NoProgress:
+    def set_postfix_str(self, text: str) -> None:
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _run_case_quietly(*arguments) -> dict:
+    benchmarking.fresh_compiles()
+    return run_case(*arguments, _NoProgress())
+
+
+def run_case_in_own_process(*arguments) -> dict:
+    """run_case in a fresh process: whatever its compiles keep alive goes with it. In one process the
+    MoE model's cases ran the machine out of memory by the third (about 10 GB each: its 3.4 GB of
+    experts, stock's frozen copy, ours packed; Dynamo's and Inductor's caches kept part of each case's
+    after release_compiled)."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(_run_case_quietly, *arguments).result()
+
+
 def run_case(
     case: Case, config: MLAConfig, dtype: torch.dtype, variants, rounds: int, calls: int, bandwidth: float,
     gemm: float, progress,
@@ -345,9 +383,15 @@ def run_case(
         counts.update(c)
         progress.update(1)
     progress.set_postfix_str(f"{case.label}: timing")
-    times = benchmarking.interleaved_medians(fns, rounds=rounds, calls=calls, budget_s=TIMING_BUDGET_S)
+    # A copy timed in the same rounds: the bandwidth the variants had. The machine's moves by a third from
+    # minute to minute, and a probe taken once before the cases put decode steps at 150% of a roofline.
+    copy, copy_bytes = benchmarking.copy_probe()
+    times = benchmarking.interleaved_medians(fns | {"copy": copy}, rounds=rounds, calls=calls,
+                                             budget_s=TIMING_BUDGET_S)
+    bandwidth = max(bandwidth, copy_bytes / times.pop("copy"))
     progress.update(1)
-    torch._dynamo.reset()
+    del fns
+    release_compiled()
 
     memory_time = (workload.weight_bytes + workload.kv_bytes) / bandwidth
     compute_time = workload.flops / gemm
@@ -363,6 +407,7 @@ def run_case(
         "flops": workload.flops,
         "roofline_s": roofline,
         "roofline_bound": "memory" if memory_time >= compute_time else "compute",
+        "copy_bandwidth_GBps": bandwidth / 1e9,
         "times_s": times,
         "roofline_fraction": {v: roofline / t for v, t in times.items()},
         "fusion_counts": counts,
@@ -380,6 +425,7 @@ def run_case(
             "vs_stock_best": stock_best / ours,
         }
     del workload
+    gc.collect()
     return result
 
 
@@ -387,7 +433,7 @@ def to_markdown(report: dict) -> str:
     variants = report["variants"]
     head = ["case", "layers"] + [f"{v} ms" for v in variants]
     head += ["x eager", "x stock", "x stock best", "tok/s or TTFT (ours; stock best)", "roofline (ours)",
-             "roofline (stock best)", "bound", "fusions"]
+             "roofline (stock best)", "bound", "copy GB/s", "fusions"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["results"]:
         t = r["times_s"]
@@ -403,6 +449,7 @@ def to_markdown(report: dict) -> str:
         else:
             row.append(f"TTFT {ours * 1e3:.0f} ms; {stock * 1e3:.0f}")
         row += [f"{frac.get('mla_inductor', math.nan):.0%}", f"{frac[best]:.0%}" if best else "-", r["roofline_bound"]]
+        row.append(f"{r['copy_bandwidth_GBps']:.1f}")
         row.append(", ".join(f"{k}={v}" for k, v in r["fusion_counts"].items()) or "none")
         lines.append("| " + " | ".join(row) + " |")
     m = report["machine"]
@@ -413,7 +460,8 @@ def to_markdown(report: dict) -> str:
         f"{m['gemm_GFLOPs']:.0f} GFLOP/s; {m['threads']} threads; torch {m['torch']}; {m['cpu']}, ISA {m['isa']}. "
         f"stock-frozen: {', '.join(f'{k}={v}' for k, v in report['stock_frozen_options'].items())}. "
         "Roofline: the larger of "
-        "(weights + KV cache read) / copy bandwidth (bound: memory) and FLOPs / GEMM throughput (bound: compute). "
+        "(weights + KV cache read) / copy bandwidth (bound: memory) and FLOPs / GEMM throughput (bound: compute); "
+        "the copy bandwidth of a case is the larger of this probe and a copy timed in the case's rounds. "
         "Times are medians of interleaved rounds."
     )
     return "\n".join(lines) + "\n"
@@ -556,8 +604,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     results = []
     with tqdm(total=len(cases) * (len(args.variants) + 1), desc="mla_inductor report", file=sys.stderr) as bar:
         for case in cases:
-            results.append(run_case(case, configs[case.model], dtype, args.variants, args.rounds, 5, bandwidth,
-                                    gemm, bar))
+            arguments = (case, configs[case.model], dtype, args.variants, args.rounds, 5, bandwidth, gemm)
+            if args.quick:
+                results.append(run_case(*arguments, bar))
+            else:
+                bar.set_postfix_str(f"{case.label}: in a process of its own")
+                results.append(run_case_in_own_process(*arguments))
+                bar.update(len(args.variants) + 1)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "dtype": args.dtype,
