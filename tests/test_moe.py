@@ -265,6 +265,25 @@ def test_dynamic_tokens_and_fp32_weights_fuse():
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_past_the_measured_limit_stays_with_stock(monkeypatch):
+    """Where the GEMM is native, a static token count past the limit is declined with its reason, and a
+    dynamic one (a server's one graph) is taken."""
+    from mla_inductor import isa
+    from mla_inductor.patterns import moe as moe_patterns
+
+    monkeypatch.setattr(isa, "native_gemm", lambda dtype: True)
+    monkeypatch.setattr(isa, "host_isa", lambda: "avx512_bf16")
+    monkeypatch.setattr(moe_patterns, "MAX_NATIVE_TOKENS_UNFROZEN", 9)
+    model = tiny_moe_model("mixtral")
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids)
+    assert fired(events, "moe") == 0 and any("10 tokens" in r for r in declined(events, "moe"))
+    _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids[:, :4])
+    assert fired(events, "moe") == 2
+    _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids, dynamic=True)
+    assert fired(events, "moe") == 2
+
+
 def test_not_taken():
     """Another activation than SiLU is declined with its reason; batched_mm experts (bmm over the
     gathered weights) and a fusion switched off by name fire nothing."""

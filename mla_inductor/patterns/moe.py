@@ -19,7 +19,8 @@ two weights as they are held, top_k_weights and top_k_index. On CPU `_grouped_mm
 expert, all 64 of V2-Lite's whether they have tokens or not, whose one-row bf16 products stream at half the
 memory's rate; the op reads each selected expert once, on both cores (docs/moe.md).
 
-Not taken (declined, with the reason in explain()): another activation than SiLU, experts with biases or
+Not taken (declined, with the reason in explain()): a prefill of more tokens than `template_wins` gives
+the template where the CPU's GEMM is native, another activation than SiLU, experts with biases or
 a post-expert norm, expert-parallel plans (sentinel ids masked between the products), the `batched_mm`
 and `eager` implementations (the latter's loop over hit experts is data-dependent: Dynamo breaks the
 graph there).
@@ -31,8 +32,10 @@ import operator
 from typing import Optional
 
 import torch
+from torch._inductor import config as inductor_config
 from torch.fx import Graph, Node
 
+from .. import isa
 from .contraction import GRAPH_INPUT_OPS, Decline, same
 from .registry import register_anchored_rewrite
 
@@ -40,6 +43,28 @@ FUSION = "moe"
 aten = torch.ops.aten
 prims = torch.ops.prims
 _VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+# Tokens up to which the fused experts beat stock's grouped GEMM where the CPU's GEMM is native
+# (benchmarks/moe.py, one V2-Lite MoE block, Zen 4 EPYC, docs/moe.md): frozen (packed per expert) 1.95x
+# stock at its best at 128 tokens, 1.31x at 512, 0.94x at 2048; unfrozen (tiles over the weights as
+# held) 1.07x at 128, 0.90x at 512. On AMX CPUs oneDNN's tiles take a prefill's GEMMs (unmeasured for the
+# experts: the projections' limit, segment_gemm.MAX_ROWS_AMX_TILES). Where bf16 is emulated (AVX2,
+# AVX-512 without BF16) stock's products crawl at every token count.
+MAX_NATIVE_TOKENS_FROZEN = 1024
+MAX_NATIVE_TOKENS_UNFROZEN = 128
+MAX_NATIVE_TOKENS_AMX = 16
+
+
+def template_wins(tokens, dtype: torch.dtype) -> bool:
+    """Whether the fused experts beat stock here for `tokens` rows of hidden states. A token count known
+    only at run time (a server's one graph) is taken: its decode steps are most of its calls."""
+    if not isa.native_gemm(dtype) or not isinstance(tokens, int):
+        return True
+    if isa.host_isa() == "amx":
+        return tokens <= MAX_NATIVE_TOKENS_AMX
+    packed = inductor_config.freezing and dtype == torch.bfloat16
+    return tokens <= (MAX_NATIVE_TOKENS_FROZEN if packed else MAX_NATIVE_TOKENS_UNFROZEN)
 
 
 def register() -> None:
@@ -256,6 +281,8 @@ def rewrite_grouped_experts(graph: Graph, first_product: Node) -> bool:
         raise Decline(f"the hidden states are {dtype}")
     if list(_value(topk_weights).shape[1:]) != [topk]:
         raise Decline("the routing weights are not one per slot")
+    if not template_wins(tokens, dtype):
+        raise Decline(f"{tokens} tokens: stock's grouped GEMM on this CPU's native {dtype} GEMM is faster")
 
     with graph.inserting_before(total):
         fused = graph.call_function(torch.ops.mla.fused_experts.default,
