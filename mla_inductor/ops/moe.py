@@ -53,10 +53,8 @@ def _failer(op: str) -> Callable[[str], None]:
     return fail
 
 
-def _weight_format(fail, use_int8_w8a8: bool, use_fp8_w8a16: bool, dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """The weights' dtype and the activations' quantization the flags name."""
-    if use_int8_w8a8 and use_fp8_w8a16:
-        fail("use_int8_w8a8 and use_fp8_w8a16 are exclusive")
+def _weight_format(use_int8_w8a8: bool, use_fp8_w8a16: bool, dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """The weights' dtype and the activations' quantization the flags name (checked exclusive before)."""
     if use_int8_w8a8:
         return torch.int8, "int8"
     if use_fp8_w8a16:
@@ -91,7 +89,9 @@ def _check_mlp_weights(fail, x: Tensor, w1: Tensor, w2: Tensor, lead: list[int],
     if is_vnni:
         fail("is_vnni=True (weights prepacked by SGLang's convert_weight_packed) is not read; pass the weights "
              "as the model holds them (under freezing the lowering packs them)")
-    weight_dtype, _ = _weight_format(fail, use_int8_w8a8, use_fp8_w8a16, x.dtype)
+    if use_int8_w8a8 and use_fp8_w8a16:
+        fail("use_int8_w8a8 and use_fp8_w8a16 are exclusive")
+    weight_dtype, _ = _weight_format(use_int8_w8a8, use_fp8_w8a16, x.dtype)
     k = x.shape[1]
     nd = len(lead) + 2
     if w1.dtype != weight_dtype or w1.dim() != nd or list(w1.shape[:-2]) != lead or w1.shape[-1] != k \
@@ -177,7 +177,7 @@ def fused_experts(hidden_states: Tensor, w1: Tensor, w2: Tensor, topk_weights: T
                   is_vnni: bool = False) -> Tensor:
     check_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, inplace, use_int8_w8a8, use_fp8_w8a16,
                         w1_scale, w2_scale, block_size, a1_scale, a2_scale, w1_bias, w2_bias, alpha, limit, is_vnni)
-    _, activation_quant = _weight_format(None, use_int8_w8a8, use_fp8_w8a16, hidden_states.dtype)
+    _, activation_quant = _weight_format(use_int8_w8a8, use_fp8_w8a16, hidden_states.dtype)
     num_experts, topk = w1.shape[0], topk_ids.shape[1]
     out = torch.zeros(hidden_states.shape, dtype=torch.float32)
     ids = topk_ids.reshape(-1).long()
@@ -223,7 +223,7 @@ def shared_expert(hidden_states: Tensor, w1: Tensor, w2: Tensor, fused_experts_o
                   a2_scale: Optional[Tensor] = None, is_vnni: bool = False) -> Tensor:
     check_shared_expert(hidden_states, w1, w2, fused_experts_out, routed_scaling_factor, inplace, use_int8_w8a8,
                         use_fp8_w8a16, w1_scale, w2_scale, block_size, a1_scale, a2_scale, is_vnni)
-    _, activation_quant = _weight_format(None, use_int8_w8a8, use_fp8_w8a16, hidden_states.dtype)
+    _, activation_quant = _weight_format(use_int8_w8a8, use_fp8_w8a16, hidden_states.dtype)
     down = gated_mlp(hidden_states, w1, w2, _expert_scale(w1_scale, None, block_size),
                      _expert_scale(w2_scale, None, block_size), block_size, activation_quant)
     return (down + fused_experts_out.float() * routed_scaling_factor).to(hidden_states.dtype)
