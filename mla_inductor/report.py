@@ -185,12 +185,14 @@ def _selected_expert_bytes(model: torch.nn.Module, step: Callable[[], object]) -
 
 def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0) -> Workload:
     """transformers' DeepSeek: "hf" with the config's released MoE layout (V2-Lite's: DeepseekV2, 64
-    routed experts of 1408, 2 shared, top-6, the first layer dense), "hf-dense" the DeepseekV3 model
+    routed experts of 1408, 2 shared, top-6, the first layer dense; `--hf-config deepseek-v3-tp16`: a
+    DeepseekV3 rank's share, 256 experts, top-8 in 4 of 8 groups), "hf-dense" the DeepseekV3 model
     with a dense MLP in every layer. Decode's bytes count the routed experts its tokens select."""
     from .models.hf import build_hf_model  # needs transformers, which only the hf cases do
 
     moe = case.model == "hf"
-    model = build_hf_model(config, arch="v2" if moe else "v3", dtype=dtype, seed=seed, moe=moe)
+    # the MoE model is the config's own family (V2 for V2-Lite, V3's grouped routing otherwise)
+    model = build_hf_model(config, arch=None if moe else "v3", dtype=dtype, seed=seed, moe=moe)
     model = quantized(model, case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context

@@ -90,16 +90,28 @@ def test_every_quick_workload_runs_eagerly(quant):
 
 
 def test_hf_is_deepseek_with_its_moe_and_decode_reads_the_experts_its_token_selects():
-    """"hf" is transformers' DeepSeek-V2 with the config's MoE layout (the first layer dense); a one-token
-    step's bytes hold top-k routed experts per MoE layer, not all of them; "hf-dense" has no experts."""
+    """"hf" is transformers' DeepSeek with the config's MoE layout (the first layer dense; the tiny config's
+    is V3's grouped routing); a one-token step's bytes hold top-k routed experts per MoE layer, not all of
+    them; "hf-dense" has no experts."""
     args = report.parse_args(["--quick", "--model", "hf", "hf-dense", "--phase", "decode", "--batch", "1",
                               "--context", "64"])
     config = report.model_config(args, "hf", torch.bfloat16)
     moe, dense = (report.hf_workload(config, case, torch.bfloat16) for case in report.build_cases(args))
     experts = report._experts(moe.module)
-    assert type(moe.module).__name__ == "DeepseekV2ForCausalLM" and not report._experts(dense.module)
+    assert moe.module.config.n_group == config.n_group > 1 and not report._experts(dense.module)
     assert len(experts) == config.num_layers - config.first_k_dense_replace > 0
     per_expert = 2 * (experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel())
     everything = weight_bytes(moe.module, exclude=("model.embed_tokens",))
     routed = len(experts) * config.n_routed_experts * per_expert
     assert moe.weight_bytes == everything - routed + len(experts) * config.num_experts_per_tok * per_expert
+
+
+def test_deepseek_v3_rank_has_its_grouped_routing():
+    """`--hf-config deepseek-v3-tp16`: a DeepseekV3 rank's share with all 256 experts and V3's grouped
+    routing (the transformers config; building the weights would take gigabytes)."""
+    from mla_inductor.models.hf import hf_config
+    from mla_inductor.models import get_config
+
+    config = hf_config(get_config("deepseek-v3-tp16"), "v3", moe=True)
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (256, 8, 8, 4)
+    assert (config.moe_intermediate_size, config.first_k_dense_replace, config.num_attention_heads) == (128, 1, 8)

@@ -33,6 +33,9 @@ class MLAConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     first_k_dense_replace: int = 0
+    # DeepSeek-V3's grouped routing: experts in n_group groups, a token's experts from its topk_group best
+    n_group: int = 1
+    topk_group: int = 1
 
     @property
     def qk_head_dim(self) -> int:
@@ -85,6 +88,13 @@ DEEPSEEK_V3 = MLAConfig(
     num_layers=61,
     vocab_size=129280,
     intermediate_size=18432,
+    n_routed_experts=256,
+    n_shared_experts=1,
+    num_experts_per_tok=8,
+    moe_intermediate_size=2048,
+    first_k_dense_replace=3,
+    n_group=8,
+    topk_group=4,
     rope_scaling=_DEEPSEEK_V3_YARN,
     max_position_embeddings=163840,
 )
@@ -92,6 +102,14 @@ DEEPSEEK_V3 = MLAConfig(
 # One tensor-parallel rank of DeepSeek-V3 at TP=6 with heads padded 128 -> 132: 22 heads per rank,
 # q_b_proj [22*192, 1536] = [4224, 1536], w_kc [22, 512, 128]. The shape SGLang's CPU kernels are tuned for.
 DEEPSEEK_V3_TP22 = DEEPSEEK_V3.replace(name="deepseek-v3-tp22", num_heads=22)
+
+# One rank of DeepSeek-V3 at TP=16 as transformers' tp_plan shards it: 8 heads, the dense MLP's 18432 and
+# every expert's 2048 split 16 ways (the shared expert's too), all 256 experts on every rank with their
+# grouped routing (8 groups, 4 chosen, top-8); 1.4 GiB of experts a MoE layer, what one machine holds
+# for a few layers. One dense layer first (the released model has 3) so that the report's few layers
+# are mostly MoE.
+DEEPSEEK_V3_TP16 = DEEPSEEK_V3.replace(name="deepseek-v3-tp16", num_heads=8, intermediate_size=18432 // 16,
+                                       moe_intermediate_size=2048 // 16, first_k_dense_replace=1)
 
 DEEPSEEK_V2_LITE = MLAConfig(
     name="deepseek-v2-lite",
@@ -140,11 +158,13 @@ TINY = MLAConfig(
     num_experts_per_tok=3,
     moe_intermediate_size=96,
     first_k_dense_replace=1,
+    n_group=4,
+    topk_group=2,
     rope_scaling=_DEEPSEEK_V3_YARN,
     max_position_embeddings=4096,
 )
 
-CONFIGS = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V3_TP22, DEEPSEEK_V2_LITE, TINY)}
+CONFIGS = {c.name: c for c in (DEEPSEEK_V3, DEEPSEEK_V3_TP22, DEEPSEEK_V3_TP16, DEEPSEEK_V2_LITE, TINY)}
 
 
 def get_config(name: str, **overrides) -> MLAConfig:

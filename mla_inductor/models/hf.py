@@ -50,6 +50,8 @@ def hf_config(config: MLAConfig, arch: str = "v3", moe: bool = False, **override
                       moe_intermediate_size=config.moe_intermediate_size, routed_scaling_factor=1.0)
         if arch == "v2":
             common.update(topk_method="greedy")  # V2-Lite's released routing: softmax top-k over all experts
+        else:
+            common.update(n_group=config.n_group, topk_group=config.topk_group)
     common.update(overrides)
     if arch == "v3":
         return transformers.DeepseekV3Config(**common)
