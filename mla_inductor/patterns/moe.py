@@ -116,22 +116,27 @@ def _only_user(node: Node, what: str) -> Node:
     return next(iter(node.users))
 
 
+def _is_call(node, target) -> bool:
+    return isinstance(node, Node) and node.target is target
+
+
 def _silu_input(node: Node) -> Optional[Node]:
     """x where node is silu(x) in x's dtype: `aten.silu`, or its decomposition x / (1 + exp(-x)) in fp32
     (or x * sigmoid(x)), converted back."""
     node = _through_converts(node)
+    if not isinstance(node, Node):
+        return None
     if node.target is aten.silu.default:
         return node.args[0]
     if node.target is aten.div.Tensor:
         x, denominator = node.args
-        if denominator.target is aten.add.Tensor and denominator.args[1] == 1:
-            exp = denominator.args[0]
-            if exp.target is aten.exp.default and exp.args[0].target is aten.neg.default \
-                    and exp.args[0].args[0] is x:
-                return _through_converts(x)
+        exp = denominator.args[0] if _is_call(denominator, aten.add.Tensor) and denominator.args[1] == 1 else None
+        negated = exp.args[0] if _is_call(exp, aten.exp.default) else None
+        if _is_call(negated, aten.neg.default) and negated.args[0] is x:
+            return _through_converts(x)
     if node.target is aten.mul.Tensor:
         for x, sigmoid in (node.args, reversed(node.args)):
-            if isinstance(sigmoid, Node) and sigmoid.target is aten.sigmoid.default and sigmoid.args[0] is x:
+            if _is_call(sigmoid, aten.sigmoid.default) and sigmoid.args[0] is x:
                 return _through_converts(x)
     return None
 
@@ -140,12 +145,10 @@ def _gate_and_up(product: Node, width: int) -> tuple[Node, Node]:
     """The two halves of the gate-and-up product's last dim (chunk(2) traces as a split)."""
     split = _only_user(product, "the gate and up product")
     halves = {}
-    if split.target is aten.split.Tensor and split.args[1] == width and split.args[2:] in ((-1,), (1,)):
-        pass
-    elif split.target is aten.split_with_sizes.default and list(split.args[1]) == [width, width] \
-            and split.args[2:] in ((-1,), (1,)):
-        pass
-    else:
+    last_dim = split.args[2:] in ((-1,), (1,))
+    in_halves = (split.target is aten.split.Tensor and split.args[1] == width) or (
+        split.target is aten.split_with_sizes.default and list(split.args[1]) == [width, width])
+    if not (last_dim and in_halves):
         raise Decline("the gate and up product is not cut into its two halves")
     for user in split.users:
         if user.target is not operator.getitem:
