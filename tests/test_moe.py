@@ -8,6 +8,7 @@ import transformers
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
+from mla_inductor.patterns import moe as moe_patterns
 from graph_utils import declined, fired, greedy, rewrite_and_run
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
@@ -269,7 +270,6 @@ def test_prefill_past_the_measured_limit_stays_with_stock(monkeypatch):
     """Where the GEMM is native, a static token count past the limit is declined with its reason, and a
     dynamic one (a server's one graph) is taken."""
     from mla_inductor import isa
-    from mla_inductor.patterns import moe as moe_patterns
 
     monkeypatch.setattr(isa, "native_gemm", lambda dtype: True)
     monkeypatch.setattr(isa, "host_isa", lambda: "avx512_bf16")
@@ -284,16 +284,29 @@ def test_prefill_past_the_measured_limit_stays_with_stock(monkeypatch):
     assert fired(events, "moe") == 2
 
 
-def test_not_taken():
-    """Another activation than SiLU is declined with its reason; batched_mm experts (bmm over the
-    gathered weights) and a fusion switched off by name fire nothing."""
+@pytest.mark.parametrize("family, dynamic", [("deepseek_v2", False), ("mixtral", True)])
+def test_transformers_batched_mm_experts_fuse(family, dynamic):
+    """transformers' `batched_mm` experts (each pair's expert weights gathered, then bmm): the same op,
+    which reads each selected expert once instead of top_k copies a token."""
+    model = tiny_moe_model(family, experts_implementation="batched_mm")
+    moe_layers = sum(1 for m in model.modules() if hasattr(m, "gate_up_proj"))
     ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
-    model = tiny_moe_model("mixtral", hidden_act="gelu")
-    _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids)
-    assert fired(events, "moe") == 0 and any("not SiLU" in r for r in declined(events, "moe"))
-    model = tiny_moe_model("mixtral", experts_implementation="batched_mm")
-    _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids)
-    assert fired(events, "moe") == 0
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    out, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids, dynamic=dynamic)
+    assert fired(events, "moe") == moe_layers
+    assert not moe_patterns._batched_products(rewrite_and_run.graph)  # no expert gathered whole any more
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_not_taken():
+    """Another activation than SiLU is declined with its reason, in both spellings; a fusion switched
+    off by name fires nothing."""
+    ids = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(0))
+    for implementation in ("grouped_mm", "batched_mm"):
+        model = tiny_moe_model("mixtral", hidden_act="gelu", experts_implementation=implementation)
+        _, events = rewrite_and_run(lambda ids: model(input_ids=ids).logits, ids)
+        assert fired(events, "moe") == 0 and any("not SiLU" in r for r in declined(events, "moe")), implementation
     model = tiny_moe_model("mixtral")
     torch._dynamo.reset()
     compiled = torch.compile(lambda ids: model(input_ids=ids).logits, backend="mla_inductor",

@@ -19,11 +19,13 @@ two weights as they are held, top_k_weights and top_k_index. On CPU `_grouped_mm
 expert, all 64 of V2-Lite's whether they have tokens or not, whose one-row bf16 products stream at half the
 memory's rate; the op reads each selected expert once, on both cores (docs/moe.md).
 
+transformers' `batched_mm` implementation is taken too (rewrite_batched_experts): it gathers each (token,
+slot) pair's whole expert weights and multiplies them by bmm, top_k copies of experts a token.
+
 Not taken (declined, with the reason in explain()): a prefill of more tokens than `template_wins` gives
 the template where the CPU's GEMM is native, another activation than SiLU, experts with biases or
-a post-expert norm, expert-parallel plans (sentinel ids masked between the products), the `batched_mm`
-and `eager` implementations (the latter's loop over hit experts is data-dependent: Dynamo breaks the
-graph there).
+a post-expert norm, expert-parallel plans (sentinel ids masked between the products), the `eager`
+implementation (its loop over hit experts is data-dependent: Dynamo breaks the graph there).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def template_wins(tokens, dtype: torch.dtype) -> bool:
 
 def register() -> None:
     register_anchored_rewrite(FUSION, _gate_up_products, rewrite_grouped_experts)
+    register_anchored_rewrite(FUSION, _batched_products, rewrite_batched_experts)
 
 
 def _is_grouped_mm(node: Node) -> bool:
@@ -275,14 +278,110 @@ def rewrite_grouped_experts(graph: Graph, first_product: Node) -> bool:
     if list(_value(down_proj).shape) != [experts, hidden_size, two_n // 2]:
         raise Decline(f"down_proj is {list(_value(down_proj).shape)}, not [{experts}, {hidden_size}, {two_n // 2}]")
     weighted, topk_weights = _weighted_by_routing(down, sort)
+    total = _summed_per_token(weighted, sort, _value(hidden).shape[0], topk, hidden_size)
+    return _replace_with_fused_experts(graph, total, hidden, gate_up_proj, down_proj, topk_weights, ids, topk)
+
+
+def _batched_products(graph: Graph) -> list[Node]:
+    """Every bmm of a stacked [E, out, in] parameter gathered by an index (transformers' batched_mm)."""
+    return [n for n in graph.nodes if _is_call(n, aten.bmm.default) and _gathered_weight(n.args[0]) is not None]
+
+
+def _gathered_weight(operand: Node) -> Optional[tuple[Node, Node]]:
+    """(weight, ids) where operand is weight[ids], weight a [E, out, in] graph input, else None."""
+    if not _is_call(operand, aten.index.Tensor) or len(operand.args[1]) != 1:
+        return None
+    weight, (ids,) = operand.args
+    if weight.op not in GRAPH_INPUT_OPS or _value(weight).dim() != 3:
+        return None
+    return weight, ids
+
+
+def _batched_product_of(node: Node) -> Optional[Node]:
+    """x where node is bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1) read back (the product node's user)."""
+    if not (_is_call(node, aten.unsqueeze.default) and node.args[1] in (-1, 2)):
+        return None
+    return node.args[0]
+
+
+def _repeated_rows(selected: Node, topk: int) -> Optional[Node]:
+    """hidden [M, K] where selected is hidden.repeat_interleave(topk, dim=0): [M, topk, K] expanded from
+    hidden.unsqueeze(1), copied and viewed [M * topk, K]."""
+    expanded = selected
+    while isinstance(expanded, Node) and (expanded.target in _VIEWS or expanded.target is aten.clone.default):
+        expanded = expanded.args[0]
+    if not _is_call(expanded, aten.expand.default) or not _is_call(expanded.args[0], aten.unsqueeze.default):
+        return None
+    hidden, dim = expanded.args[0].args
+    sizes = list(expanded.args[1])
+    if dim != 1 or len(sizes) != 3 or sizes[1] != topk or _value(hidden).dim() != 2:
+        return None
+    return hidden
+
+
+def rewrite_batched_experts(graph: Graph, first_product: Node) -> bool:
+    """transformers' `batched_mm` experts: each (token, slot) pair's expert weights gathered
+    (`gate_up_proj[expert_ids]`, a copy of top_k whole experts per token) and multiplied by bmm:
+
+        x = hidden_states.repeat_interleave(top_k, dim=0)
+        gate, up = torch.bmm(gate_up_proj[expert_ids], x.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        down = torch.bmm(down_proj[expert_ids], (act(gate) * up).unsqueeze(-1)).squeeze(-1)
+        out = (down * top_k_weights.reshape(-1).unsqueeze(-1)).view(tokens, top_k, hidden).sum(dim=1)
+    """
+    gate_up_proj, flat_ids = _gathered_weight(first_product.args[0])
+    x = _batched_product_of(first_product.args[1])
+    if x is None or _is_call(x, aten.mul.Tensor):
+        return False  # the down projection's product (its x is the gated product) or another bmm
+    ids = _through_views(flat_ids)
+    if ids is flat_ids or _value(flat_ids).dim() != 1 or _value(ids).dim() != 2:
+        raise Decline("the gathered experts are not chosen by the [tokens, top_k] ids flattened")
+    topk = _value(ids).shape[1]
+    hidden = _repeated_rows(x, topk)
+    if hidden is None or not same(_value(hidden).shape[0], _value(ids).shape[0]):
+        raise Decline("the rows multiplied are not each token's hidden states repeated top_k times")
+    experts, two_n, hidden_size = _value(gate_up_proj).shape
+    squeezed = _only_user(first_product, "the gate and up product")
+    if not (_is_call(squeezed, aten.squeeze.dim) and squeezed.args[1] in (-1, 2)):
+        raise Decline("the gate and up product is not read back as [pairs, 2 * width]")
+    gate, up = _gate_and_up(squeezed, two_n // 2)
+    gated = _gated_product(gate, up)
+    unsqueezed = _only_user(gated, "the gated product")
+    down = _only_user(unsqueezed, "the gated product's column") if _batched_product_of(unsqueezed) is gated else None
+    gathered = _gathered_weight(down.args[0]) if down is not None and _is_call(down, aten.bmm.default) else None
+    if gathered is None or gathered[1] is not flat_ids or down.args[1] is not unsqueezed:
+        raise Decline("the gated product is not the down projection's input over the same experts")
+    down_proj = gathered[0]
+    if list(_value(down_proj).shape) != [experts, hidden_size, two_n // 2]:
+        raise Decline(f"down_proj is {list(_value(down_proj).shape)}, not [{experts}, {hidden_size}, {two_n // 2}]")
+    squeezed = _only_user(down, "the down product")
+    weighted = _only_user(squeezed, "the down product's rows")
+    if not (_is_call(squeezed, aten.squeeze.dim) and _is_call(weighted, aten.mul.Tensor)):
+        raise Decline("the down product is not weighed by the routing weights")
+    scale = weighted.args[1] if weighted.args[0] is squeezed else weighted.args[0]
+    topk_weights = _through_views(scale.args[0]) if _is_call(scale, aten.unsqueeze.default) else None
+    if topk_weights is None or _value(topk_weights).dim() != 2:
+        raise Decline("the routing weights are not the [tokens, top_k] weights flattened, one per row")
+    view = _only_user(weighted, "the weighted down product")
+    total = _only_user(view, "the slots of each token")
+    shape = _value(view).shape
+    if view.target not in _VIEWS or total.target is not aten.sum.dim_IntList or list(total.args[1]) not in ([1], [-2]) \
+            or len(shape) != 3 or shape[1] != topk or shape[2] != hidden_size:
+        raise Decline("the weighted rows are not summed over each token's slots")
+    return _replace_with_fused_experts(graph, total, hidden, gate_up_proj, down_proj, topk_weights, ids, topk)
+
+
+def _replace_with_fused_experts(graph: Graph, total: Node, hidden: Node, gate_up_proj: Node, down_proj: Node,
+                                topk_weights: Node, ids: Node, topk: int) -> bool:
+    """The checks every spelling shares, then `total` (the per-token sum) as mla::fused_experts."""
     tokens = _value(hidden).shape[0]
-    total = _summed_per_token(weighted, sort, tokens, topk, hidden_size)
     dtype = _value(hidden).dtype
     if not (_value(gate_up_proj).dtype == _value(down_proj).dtype == dtype):
         raise Decline(f"the experts' weights are not in the hidden states' dtype {dtype}")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise Decline(f"the hidden states are {dtype}")
-    if list(_value(topk_weights).shape[1:]) != [topk]:
+    if _value(ids).dtype not in (torch.int32, torch.int64):
+        raise Decline(f"the expert ids are {_value(ids).dtype}")
+    if list(_value(topk_weights).shape[1:]) != [topk] or not same(_value(topk_weights).shape[0], tokens):
         raise Decline("the routing weights are not one per slot")
     if not template_wins(tokens, dtype):
         raise Decline(f"{tokens} tokens: stock's grouped GEMM on this CPU's native {dtype} GEMM is faster")
