@@ -18,7 +18,8 @@ import transformers
 from torch import nn
 from transformers.models.deepseek_v2 import modeling_deepseek_v2
 
-from mla_inductor import benchmarking, record
+from mla_inductor import benchmarking, record, report
+from mla_inductor.models import weight_bytes
 
 HIDDEN, EXPERT_WIDTH, EXPERTS, SHARED, TOP_K = 2048, 1408, 64, 2, 6
 
@@ -48,14 +49,9 @@ class Blocks(nn.Module):
 def bytes_and_flops(model: Blocks, h: torch.Tensor) -> tuple[int, int]:
     """What one call must read (each block's selected experts once, its shared experts, its router) and
     the FLOPs of its experts, following the routing of this input."""
-    expert_bytes = 3 * HIDDEN * EXPERT_WIDTH * 2
-    nbytes = flops = 0
-    with torch.no_grad():
-        for block in model.blocks:
-            _, _, ids = block.gate(h)
-            nbytes += (ids.unique().numel() + SHARED) * expert_bytes + block.gate.weight.numel() * 2
-            flops += h.shape[0] * h.shape[1] * (TOP_K + SHARED) * 2 * 3 * HIDDEN * EXPERT_WIDTH
-            h = h + block(h)
+    experts = [name for name, m in model.named_modules() if m in report.routed_experts(model)]
+    nbytes = weight_bytes(model, exclude=experts) + report.selected_expert_bytes(model, lambda: model(h))
+    flops = len(model.blocks) * h.shape[0] * h.shape[1] * (TOP_K + SHARED) * 2 * 3 * HIDDEN * EXPERT_WIDTH
     return nbytes, flops
 
 

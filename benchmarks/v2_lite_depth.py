@@ -21,7 +21,7 @@ from mla_inductor import benchmarking, record
 from mla_inductor.models import get_config, weight_bytes
 from mla_inductor.models.hf import hf_config
 from mla_inductor.models.mla import init_weights_
-from mla_inductor.report import Case, _fill_static_cache, _selected_expert_bytes
+from mla_inductor.report import Case, fill_static_cache, selected_expert_bytes
 
 
 def build(layers: int) -> torch.nn.Module:
@@ -47,11 +47,11 @@ def main():
 
     model = build(args.layers)
     case = Case("hf", "decode", args.batch, args.context)
-    step, reset, kv_bytes, ids = _fill_static_cache(model, case, torch.Generator().manual_seed(0))
+    step, reset, kv_bytes, ids = fill_static_cache(model, case, torch.Generator().manual_seed(0))
     experts = [name for name, m in model.named_modules() if hasattr(m, "gate_up_proj")]
     reset()
     nbytes = weight_bytes(model, exclude=("model.embed_tokens", *experts))
-    nbytes += _selected_expert_bytes(model, lambda: step(ids)) + kv_bytes
+    nbytes += selected_expert_bytes(model, lambda: step(ids)) + kv_bytes
     print(f"{benchmarking.machine_line()}; DeepSeek-V2-Lite, {args.layers} of its 27 layers, bf16, vocabulary "
           f"102400, StaticCache {args.context} rows, batch {args.batch}; a step reads {nbytes / 1e9:.2f} GB")
 

@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
-import gc
 import json
 import math
 import pathlib
@@ -158,18 +157,18 @@ def serving_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: in
     return Workload(model, fn, args, lambda: None, weight_bytes(model), kv_bytes, flops)
 
 
-def _experts(model: torch.nn.Module) -> list[torch.nn.Module]:
+def routed_experts(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The MoE layers' experts modules (transformers' stacked gate_up_proj / down_proj)."""
     return [m for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), torch.nn.Parameter)]
 
 
-def _selected_expert_bytes(model: torch.nn.Module, step: Callable[[], object]) -> int:
+def selected_expert_bytes(model: torch.nn.Module, step: Callable[[], object]) -> int:
     """The bytes of the routed experts one call of `step` selects: each MoE layer's experts chosen by any
     of its tokens, read once (what the fused experts read; stock's grouped_mm reads the same bytes of
     them, and loops over the others without reading them)."""
     chosen = []
     hooks = [experts.register_forward_hook(lambda module, args, out: chosen.append((module, args[1])))
-             for experts in _experts(model)]
+             for experts in routed_experts(model)]
     try:
         with torch.no_grad():
             step()
@@ -196,7 +195,7 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
     model = quantized(model, case.quant)
     gen = torch.Generator().manual_seed(seed)
     b, ctx = case.batch, case.context
-    experts = _experts(model)
+    experts = routed_experts(model)
     expert_elements = sum(e.gate_up_proj[0].numel() + e.down_proj[0].numel() for e in experts)
     top_k = config.num_experts_per_tok
     linear = _matmul_weight_elements(model)
@@ -210,12 +209,12 @@ def hf_workload(config: MLAConfig, case: Case, dtype: torch.dtype, seed: int = 0
         def prefill(input_ids):
             return model(input_ids=input_ids, use_cache=False).logits
 
-        wbytes += _selected_expert_bytes(model, lambda: prefill(ids))
+        wbytes += selected_expert_bytes(model, lambda: prefill(ids))
         return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
 
-    decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
+    decode, reset, kv_bytes, ids = fill_static_cache(model, case, gen)
     reset()
-    wbytes += _selected_expert_bytes(model, lambda: decode(ids))
+    wbytes += selected_expert_bytes(model, lambda: decode(ids))
     flops = 2.0 * b * (linear + top_k * expert_elements)
     flops += config.num_layers * _attention_flops(config, b, 1, ctx, absorbed=True)
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
@@ -242,7 +241,7 @@ def quantized(model: torch.nn.Module, quant: str) -> torch.nn.Module:
     return model
 
 
-def _fill_static_cache(model, case: Case, gen) -> tuple[Callable, Callable[[], None], int, torch.Tensor]:
+def fill_static_cache(model, case: Case, gen) -> tuple[Callable, Callable[[], None], int, torch.Tensor]:
     """A StaticCache of case.context rows holding noise: the decode step over it, its reset, its bytes
     and the step's input ids."""
     from transformers import StaticCache
@@ -295,7 +294,7 @@ def llama_workload(shape: LlamaShape, case: Case, dtype: torch.dtype, seed: int 
             return model(input_ids=input_ids, use_cache=False).logits
 
         return Workload(model, prefill, (ids,), lambda: None, wbytes, 0, flops)
-    decode, reset, kv_bytes, ids = _fill_static_cache(model, case, gen)
+    decode, reset, kv_bytes, ids = fill_static_cache(model, case, gen)
     flops = 2.0 * b * linear + shape.num_layers * 4.0 * b * ctx * q_dim  # q.K and P.V over the context
     return Workload(model, decode, (ids,), reset, wbytes, kv_bytes, flops)
 
@@ -333,17 +332,6 @@ def compile_variant(variant: str, workload: Workload) -> tuple[Callable[[], obje
     return call, counts
 
 
-def release_compiled() -> None:
-    """Free what a case's compiles hold that the next case does not need: Dynamo's code and the
-    generated modules Inductor keeps loaded with their frozen constants (not all of it: see
-    run_case_in_own_process)."""
-    from torch._inductor.codecache import PyCodeCache
-
-    torch._dynamo.reset()
-    PyCodeCache.cache_clear()
-    gc.collect()
-
-
 class _NoProgress:
     def set_postfix_str(self, text: str) -> None:
         pass
@@ -361,7 +349,7 @@ def run_case_in_own_process(*arguments) -> dict:
     """run_case in a fresh process: whatever its compiles keep alive goes with it. In one process the
     MoE model's cases ran the machine out of memory by the third (about 10 GB each: its 3.4 GB of
     experts, stock's frozen copy, ours packed; Dynamo's and Inductor's caches kept part of each case's
-    after release_compiled)."""
+    after torch._dynamo.reset())."""
     import concurrent.futures
     import multiprocessing
 
@@ -393,7 +381,7 @@ def run_case(
     bandwidth = max(bandwidth, copy_bytes / times.pop("copy"))
     progress.update(1)
     del fns
-    release_compiled()
+    torch._dynamo.reset()
 
     memory_time = (workload.weight_bytes + workload.kv_bytes) / bandwidth
     compute_time = workload.flops / gemm
@@ -427,7 +415,6 @@ def run_case(
             "vs_stock_best": stock_best / ours,
         }
     del workload
-    gc.collect()
     return result
 
 

@@ -131,11 +131,16 @@ def tiny_gqa_model(arch, dtype, layers=2):
 
 @functools.cache
 def static_cache_greedy_decode(arch, freezing, steps=16):
-    """Greedy decoding of a tiny fp32 `tiny_gqa_model` with a StaticCache after an eager prefill, eagerly
-    and through the mla_inductor backend; compiled once per process and shared by the tests of every
-    fusion that fires there. Returns the compile's fusion counts and (eager, compiled) tokens and logits."""
-    model = tiny_gqa_model(arch, torch.float32)
-    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    """compiled_greedy_decode of a tiny fp32 `tiny_gqa_model`, compiled once per process and shared by the
+    tests of every fusion that fires there."""
+    return compiled_greedy_decode(tiny_gqa_model(arch, torch.float32), freezing, steps)
+
+
+def compiled_greedy_decode(model, freezing, steps):
+    """Greedy decoding of a transformers model with a StaticCache after an eager prefill of two prompts of
+    6 tokens, eagerly and through the mla_inductor backend. Returns the compile's fusion counts and
+    (eager, compiled) tokens and logits."""
+    prompt = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
     make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
     torch._dynamo.reset()
     mla_inductor.reset_counts()

@@ -9,7 +9,7 @@ from torch import nn
 from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
-from graph_utils import fired, greedy, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
+from graph_utils import compiled_greedy_decode, fired, has_dynamic_sizes, rewrite_and_run, tiny_gqa_model
 from mla_inductor import benchmarking, isa
 from mla_inductor.lowerings.segment_gemm import can_pack, packs_rows
 from mla_inductor.patterns import linear as linear_patterns
@@ -237,15 +237,6 @@ def test_switched_off_by_name(emulated_16_bit):
 def test_llama_bf16_static_cache_decode_compiled(freezing):
     """The compiled decode of a bf16 Llama: the same tokens as eager, the Linears rewritten (here for real:
     the C++ is built and run), whether the CPU emulates bf16 GEMMs or not: a step's two rows are decode's."""
-    model = tiny_gqa_model("llama", torch.bfloat16)
-    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
-    expected, _ = greedy(model, make_cache(), prompt, 4)
-    cache = make_cache()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
-                             backend="mla_inductor")
-    with torch._inductor.config.patch(freezing=freezing):
-        actual, _ = greedy(model, cache, prompt, 4, compiled)
-    assert mla_inductor.fusion_counts()["linear"] == 2 * 4 + 1
+    counts, (expected, _), (actual, _) = compiled_greedy_decode(tiny_gqa_model("llama", torch.bfloat16), freezing, 4)
+    assert counts["linear"] == 2 * 4 + 1
     assert torch.equal(actual, expected)

@@ -9,7 +9,7 @@ from torch._inductor.utils import run_and_get_code
 
 import mla_inductor
 from mla_inductor.patterns import moe as moe_patterns
-from graph_utils import declined, fired, greedy, rewrite_and_run
+from graph_utils import compiled_greedy_decode, declined, fired, rewrite_and_run
 from mla_inductor.ops.weight_quant import quantize_weight_fp8_blocks, quantize_weight_int8
 
 
@@ -320,15 +320,6 @@ def test_not_taken():
 def test_deepseek_v2_static_cache_decode_compiled(freezing):
     """The compiled decode of a DeepSeek-V2 with its MoE (the first layer dense): the template is built and
     run, and the tokens equal eager's."""
-    model = tiny_moe_model("deepseek_v2")
-    prompt = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(1))
-    make_cache = lambda: transformers.StaticCache(config=model.config, max_cache_len=32)  # noqa: E731
-    expected, _ = greedy(model, make_cache(), prompt, 4)
-    cache = make_cache()
-    torch._dynamo.reset()
-    compiled = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
-                             backend="mla_inductor")
-    with torch._inductor.config.patch(freezing=freezing):
-        actual, _ = greedy(model, cache, prompt, 4, compiled)
-    assert mla_inductor.fusion_counts()["moe"] == 1
+    counts, (expected, _), (actual, _) = compiled_greedy_decode(tiny_moe_model("deepseek_v2"), freezing, 4)
+    assert counts["moe"] == 1
     assert torch.equal(actual, expected)

@@ -97,8 +97,8 @@ def test_hf_is_deepseek_with_its_moe_and_decode_reads_the_experts_its_token_sele
                               "--context", "64"])
     config = report.model_config(args, "hf", torch.bfloat16)
     moe, dense = (report.hf_workload(config, case, torch.bfloat16) for case in report.build_cases(args))
-    experts = report._experts(moe.module)
-    assert moe.module.config.n_group == config.n_group > 1 and not report._experts(dense.module)
+    experts = report.routed_experts(moe.module)
+    assert moe.module.config.n_group == config.n_group > 1 and not report.routed_experts(dense.module)
     assert len(experts) == config.num_layers - config.first_k_dense_replace > 0
     per_expert = 2 * (experts[0].gate_up_proj[0].numel() + experts[0].down_proj[0].numel())
     everything = weight_bytes(moe.module, exclude=("model.embed_tokens",))

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .checks import check_cpu_tensors
-from .weight_quant import linear_fp32
+from .weight_quant import linear_fp32, scale_grid
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
@@ -62,7 +62,10 @@ def _weight_format(use_int8_w8a8: bool, use_fp8_w8a16: bool, dtype: torch.dtype)
     return dtype, "none"
 
 
-def _check_scale(fail, name: str, scale: Optional[Tensor], expected: Sequence[int], quantized: bool) -> None:
+def _check_scale(fail, name: str, scale: Optional[Tensor], lead: list[int], weight_shape: Sequence[int],
+                 block_size: Optional[Sequence[int]], quantized: bool) -> None:
+    """The fp32 scale of quantized [*lead, N, K] weights: per channel [*lead, N] or [*lead, N, 1], or per
+    block [*lead, ceil(N / bN), ceil(K / bK)] (weight_quant.scale_grid)."""
     if not quantized:
         if scale is not None:
             fail(f"{name} is for int8 (use_int8_w8a8) or fp8 (use_fp8_w8a16) weights; the weights are not")
@@ -72,9 +75,10 @@ def _check_scale(fail, name: str, scale: Optional[Tensor], expected: Sequence[in
     check_cpu_tensors(fail, {name: scale})
     if scale.dtype != torch.float32:
         fail(f"{name} must be float32, got {scale.dtype}")
-    squeezed = list(scale.shape[:-1]) if scale.dim() == len(expected) + 1 and scale.shape[-1] == 1 else list(scale.shape)
-    if squeezed != list(expected):
-        fail(f"{name} must be {list(expected)}, got {list(scale.shape)}")
+    grid = lead + list(scale_grid(weight_shape, block_size))
+    accepted = [grid] if block_size is not None else [grid, grid[:-1]]
+    if list(scale.shape) not in accepted:
+        fail(f"{name} must be {accepted[-1]}, got {list(scale.shape)}")
 
 
 def _check_mlp_weights(fail, x: Tensor, w1: Tensor, w2: Tensor, lead: list[int], use_int8_w8a8: bool,
@@ -100,19 +104,13 @@ def _check_mlp_weights(fail, x: Tensor, w1: Tensor, w2: Tensor, lead: list[int],
     n = w1.shape[-2] // 2
     if w2.dtype != weight_dtype or list(w2.shape) != lead + [k, n]:
         fail(f"w2 must be {weight_dtype}{lead + [k, n]}, got {w2.dtype}{list(w2.shape)}")
+    if use_fp8_w8a16 and (block_size is None or len(block_size) != 2 or any(b <= 0 for b in block_size)):
+        fail(f"block_size must be [block_n, block_k] with use_fp8_w8a16, got {block_size}")
+    if not use_fp8_w8a16 and block_size is not None:
+        fail("block_size is for fp8 block-scaled weights (use_fp8_w8a16)")
     quantized = use_int8_w8a8 or use_fp8_w8a16
-    if use_fp8_w8a16:
-        if block_size is None or len(block_size) != 2 or any(b <= 0 for b in block_size):
-            fail(f"block_size must be [block_n, block_k] with use_fp8_w8a16, got {block_size}")
-        bn, bk = block_size
-        grid = lambda rows, cols: [-(-rows // bn), -(-cols // bk)]  # noqa: E731
-        _check_scale(fail, "w1_scale", w1_scale, lead + grid(2 * n, k), True)
-        _check_scale(fail, "w2_scale", w2_scale, lead + grid(k, n), True)
-    else:
-        if block_size is not None:
-            fail("block_size is for fp8 block-scaled weights (use_fp8_w8a16)")
-        _check_scale(fail, "w1_scale", w1_scale, lead + [2 * n], quantized)
-        _check_scale(fail, "w2_scale", w2_scale, lead + [k], quantized)
+    _check_scale(fail, "w1_scale", w1_scale, lead, (2 * n, k), block_size, quantized)
+    _check_scale(fail, "w2_scale", w2_scale, lead, (k, n), block_size, quantized)
     for name, scale in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
         if scale is not None:
             fail(f"{name}: static activation scales are not supported (W8A8 quantizes each token)")
@@ -295,12 +293,12 @@ def _(hidden_states, gating_output, topk, renormalize):
     return _fake_routing(gating_output, topk)
 
 
-def _group_mask(scores: Tensor, group_scores: Tensor, topk_group: int) -> Tensor:
-    """True for the experts of each token's topk_group best groups."""
+def _group_mask(group_scores: Tensor, topk_group: int, per_group: int) -> Tensor:
+    """True for the experts (per_group a group) of each token's topk_group best groups."""
     m, groups = group_scores.shape
     chosen = torch.topk(group_scores, topk_group, dim=-1).indices
     mask = torch.zeros(m, groups, dtype=torch.bool).scatter_(1, chosen, True)
-    return mask.repeat_interleave(scores.shape[1] // groups, dim=1)
+    return mask.repeat_interleave(per_group, dim=1)
 
 
 @torch.library.custom_op("mla::grouped_topk", mutates_args=())
@@ -315,8 +313,9 @@ def grouped_topk(hidden_states: Tensor, gating_output: Tensor, topk: int, renorm
                   num_fused_shared_experts)
     scores = gating_output.float().softmax(-1)
     m, e = scores.shape
-    group_scores = scores.view(m, num_expert_group, e // num_expert_group).amax(-1)
-    masked = scores.masked_fill(~_group_mask(scores, group_scores, topk_group), 0.0)
+    per_group = e // num_expert_group
+    group_scores = scores.view(m, num_expert_group, per_group).amax(-1)
+    masked = scores.masked_fill(~_group_mask(group_scores, topk_group, per_group), 0.0)
     weights, ids = torch.topk(masked, topk, dim=-1)
     return _routed(weights, ids, renormalize)
 
@@ -343,7 +342,7 @@ def biased_grouped_topk(hidden_states: Tensor, gating_output: Tensor, correction
     m, e = scores.shape
     per_group = e // num_expert_group
     group_scores = choice.view(m, num_expert_group, per_group).topk(min(2, per_group), dim=-1).values.sum(-1)
-    masked = choice.masked_fill(~_group_mask(scores, group_scores, topk_group), float("-inf"))
+    masked = choice.masked_fill(~_group_mask(group_scores, topk_group, per_group), float("-inf"))
     ids = torch.topk(masked, topk, dim=-1).indices
     return _routed(scores.gather(1, ids), ids, renormalize)
 

@@ -123,6 +123,11 @@ def _is_call(node, target) -> bool:
     return isinstance(node, Node) and node.target is target
 
 
+def _is_sort_output(node, sort: Node, index: int) -> bool:
+    """Whether node is sort's values (index 0) or its permutation (index 1)."""
+    return _is_call(node, operator.getitem) and node.args[0] is sort and node.args[1] == index
+
+
 def _silu_input(node: Node) -> Optional[Node]:
     """x where node is silu(x) in x's dtype: `aten.silu`, or its decomposition x / (1 + exp(-x)) in fp32
     (or x * sigmoid(x)), converted back."""
@@ -214,7 +219,7 @@ def _check_offsets(offsets: Node, sort: Node, experts: int) -> None:
         counted = histc.args[0]
     else:
         raise Decline("the tokens per expert are not counted by histc or bincount")
-    if not (counted.target is operator.getitem and counted.args[0] is sort and counted.args[1] == 0):
+    if not _is_sort_output(counted, sort, 0):
         raise Decline("the tokens per expert are not counted over the sorted ids")
 
 
@@ -228,7 +233,7 @@ def _weighted_by_routing(down: Node, sort: Node) -> tuple[Node, Node]:
         raise Decline("the routing weights are not one per row of the down product")
     gathered = scale.args[0]
     perm = gathered.args[1][0] if gathered.target is aten.index.Tensor and len(gathered.args[1]) == 1 else None
-    if perm is None or not (perm.target is operator.getitem and perm.args[0] is sort and perm.args[1] == 1):
+    if not _is_sort_output(perm, sort, 1):
         raise Decline("the routing weights are not gathered in the order of the sorted ids")
     topk_weights = _through_views(gathered.args[0])
     if _value(topk_weights).dim() != 2:
@@ -246,10 +251,16 @@ def _summed_per_token(weighted: Node, sort: Node, tokens, topk: int, hidden_size
     if inverse.target not in (aten.index_put.default, aten.index_put_.default) or len(inverse.args[1]) != 1:
         raise Decline("the weighted rows are not put back by the inverse of the sort")
     perm, positions = inverse.args[1][0], inverse.args[2]
-    if not (perm.target is operator.getitem and perm.args[0] is sort and perm.args[1] == 1) \
+    if not _is_sort_output(perm, sort, 1) \
             or positions.target not in (prims.iota.default, aten.arange.default, aten.arange.start):
         raise Decline("the weighted rows are not put back by the inverse of the sort")
-    view = _only_user(restored, "the rows in token order")
+    return _summed_over_slots(restored, tokens, topk, hidden_size)
+
+
+def _summed_over_slots(rows: Node, tokens, topk: int, hidden_size: int) -> Node:
+    """The node that holds rows.view(tokens, topk, hidden).sum(1), rows being the weighted (token, slot)
+    pairs in token order."""
+    view = _only_user(rows, "the weighted rows in token order")
     total = _only_user(view, "the slots of each token")
     if view.target not in _VIEWS or total.target is not aten.sum.dim_IntList or list(total.args[1]) not in ([1], [-2]):
         raise Decline("the weighted rows are not summed over each token's slots")
@@ -266,8 +277,6 @@ def rewrite_grouped_experts(graph: Graph, first_product: Node) -> bool:
         return False  # a second product (the down projection's) or another grouped GEMM
     hidden, sort, ids, topk = _routing(gathered)
     experts, two_n, hidden_size = _value(gate_up_proj).shape
-    if two_n % 2:
-        raise Decline(f"gate_up_proj has {two_n} rows: not a gate and an up half")
     _check_offsets(offsets, sort, experts)
     gate, up = _gate_and_up(first_product, two_n // 2)
     gated = _gated_product(gate, up)
@@ -275,8 +284,6 @@ def rewrite_grouped_experts(graph: Graph, first_product: Node) -> bool:
     down_proj = _stacked_weight(down.args[1]) if _is_grouped_mm(down) else None
     if down_proj is None or down.args[0] is not gated or down.args[2] is not offsets:
         raise Decline("the gated product is not the down projection's input over the same groups")
-    if list(_value(down_proj).shape) != [experts, hidden_size, two_n // 2]:
-        raise Decline(f"down_proj is {list(_value(down_proj).shape)}, not [{experts}, {hidden_size}, {two_n // 2}]")
     weighted, topk_weights = _weighted_by_routing(down, sort)
     total = _summed_per_token(weighted, sort, _value(hidden).shape[0], topk, hidden_size)
     return _replace_with_fused_experts(graph, total, hidden, gate_up_proj, down_proj, topk_weights, ids, topk)
@@ -339,7 +346,7 @@ def rewrite_batched_experts(graph: Graph, first_product: Node) -> bool:
     hidden = _repeated_rows(x, topk)
     if hidden is None or not same(_value(hidden).shape[0], _value(ids).shape[0]):
         raise Decline("the rows multiplied are not each token's hidden states repeated top_k times")
-    experts, two_n, hidden_size = _value(gate_up_proj).shape
+    two_n, hidden_size = _value(gate_up_proj).shape[1:]
     squeezed = _only_user(first_product, "the gate and up product")
     if not (_is_call(squeezed, aten.squeeze.dim) and squeezed.args[1] in (-1, 2)):
         raise Decline("the gate and up product is not read back as [pairs, 2 * width]")
@@ -351,8 +358,6 @@ def rewrite_batched_experts(graph: Graph, first_product: Node) -> bool:
     if gathered is None or gathered[1] is not flat_ids or down.args[1] is not unsqueezed:
         raise Decline("the gated product is not the down projection's input over the same experts")
     down_proj = gathered[0]
-    if list(_value(down_proj).shape) != [experts, hidden_size, two_n // 2]:
-        raise Decline(f"down_proj is {list(_value(down_proj).shape)}, not [{experts}, {hidden_size}, {two_n // 2}]")
     squeezed = _only_user(down, "the down product")
     weighted = _only_user(squeezed, "the down product's rows")
     if not (_is_call(squeezed, aten.squeeze.dim) and _is_call(weighted, aten.mul.Tensor)):
@@ -361,12 +366,7 @@ def rewrite_batched_experts(graph: Graph, first_product: Node) -> bool:
     topk_weights = _through_views(scale.args[0]) if _is_call(scale, aten.unsqueeze.default) else None
     if topk_weights is None or _value(topk_weights).dim() != 2:
         raise Decline("the routing weights are not the [tokens, top_k] weights flattened, one per row")
-    view = _only_user(weighted, "the weighted down product")
-    total = _only_user(view, "the slots of each token")
-    shape = _value(view).shape
-    if view.target not in _VIEWS or total.target is not aten.sum.dim_IntList or list(total.args[1]) not in ([1], [-2]) \
-            or len(shape) != 3 or shape[1] != topk or shape[2] != hidden_size:
-        raise Decline("the weighted rows are not summed over each token's slots")
+    total = _summed_over_slots(weighted, _value(hidden).shape[0], topk, hidden_size)
     return _replace_with_fused_experts(graph, total, hidden, gate_up_proj, down_proj, topk_weights, ids, topk)
 
 
@@ -375,6 +375,11 @@ def _replace_with_fused_experts(graph: Graph, total: Node, hidden: Node, gate_up
     """The checks every spelling shares, then `total` (the per-token sum) as mla::fused_experts."""
     tokens = _value(hidden).shape[0]
     dtype = _value(hidden).dtype
+    experts, two_n, hidden_size = _value(gate_up_proj).shape
+    if two_n % 2:
+        raise Decline(f"gate_up_proj has {two_n} rows: not a gate and an up half")
+    if list(_value(down_proj).shape) != [experts, hidden_size, two_n // 2]:
+        raise Decline(f"down_proj is {list(_value(down_proj).shape)}, not [{experts}, {hidden_size}, {two_n // 2}]")
     if not (_value(gate_up_proj).dtype == _value(down_proj).dtype == dtype):
         raise Decline(f"the experts' weights are not in the hidden states' dtype {dtype}")
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
