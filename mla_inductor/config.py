@@ -24,6 +24,7 @@ FUSIONS = (
     "gqa_decode",
     "linear",
     "moe",
+    "mla_prefill",
 )
 
 OPTION_PREFIX = "mla_inductor."

@@ -5,4 +5,4 @@ Everything here touches Inductor internals (lowering registry, IR, CppTemplate);
 this package. Importing it registers the lowerings.
 """
 
-from . import gqa_decode, gqa_qkv, linear, mla_decode, moe, q_b_absorb, qkv_a, rope  # noqa: F401
+from . import gqa_decode, gqa_qkv, linear, mla_decode, mla_prefill, moe, q_b_absorb, qkv_a, rope  # noqa: F401

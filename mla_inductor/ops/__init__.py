@@ -10,3 +10,4 @@ from . import gqa_qkv  # noqa: F401
 from . import gqa_decode  # noqa: F401
 from . import linear  # noqa: F401
 from . import moe  # noqa: F401
+from . import mla_prefill  # noqa: F401
