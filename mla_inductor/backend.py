@@ -21,7 +21,8 @@ from . import isa
 from .passes import MLAPass
 
 # Inductor config key -> the MLAPass stage it runs.
-_PASS_SLOTS = {"joint_custom_post_pass": "joint", "post_grad_custom_post_pass": "post_grad"}
+_PASS_SLOTS = {"pre_grad_custom_pass": "pre_grad", "joint_custom_post_pass": "joint",
+               "post_grad_custom_post_pass": "post_grad"}
 
 
 def split_options(options: Optional[Mapping[str, Any]]) -> tuple[dict[str, Any], mla_config.Config]:

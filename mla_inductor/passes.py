@@ -1,6 +1,8 @@
 """MLAPass: the one custom graph pass that applies every registered fusion.
 
-It is installed twice per compile:
+It is installed three times per compile:
+- as `pre_grad_custom_pass`, on Dynamo's graph before AOT decomposes it: rewrites that need a call whole
+  (an SDPA call, patterns/mla_prefill.py);
 - as `joint_custom_post_pass`: under `freezing=True` this is the last stage that still holds `aten.mm`
   (freezing later packs weights into `mkldnn._linear_pointwise`); views there are `aten.view`;
 - as `post_grad_custom_post_pass`: without freezing; views there are `aten.reshape`.
@@ -24,11 +26,12 @@ from torch._inductor.pattern_matcher import stable_topological_sort
 
 from . import config as mla_config
 from . import record
-from .patterns import (STAGES, count_whole_chains, linear, merge_into_qkv_a_proj, pattern_pass, quantized_linear,
-                       register_all)
+from .patterns import (STAGES, count_whole_chains, linear, merge_into_qkv_a_proj, mla_prefill, pattern_pass,
+                       quantized_linear, register_all)
 from .patterns.registry import apply_anchored_rewrites, canonical_gemm_splits
 
 _MAX_ROUNDS = 3
+PRE_GRAD = "pre_grad"
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = {".py", ".cpp", ".h", ".hpp", ".j2", ".jinja"}
 
@@ -71,17 +74,21 @@ def key_fx_cache_on_sources() -> None:
 
 class MLAPass(CustomGraphPass):
     def __init__(self, stage: str, config: mla_config.Config | None = None) -> None:
-        if stage not in STAGES:
-            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        if stage not in (PRE_GRAD, *STAGES):
+            raise ValueError(f"stage must be one of {(PRE_GRAD, *STAGES)}, got {stage!r}")
         self.stage = stage
         self.config = config or mla_config.Config()
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        register_all()
         record.begin_stage(self.stage)
         # Left set after the pass: the lowerings of this compile run later and read it. Every
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
+        if self.stage == PRE_GRAD:
+            if self.config.enabled(mla_prefill.FUSION) and mla_prefill.rewrite_sdpa(graph, self.stage):
+                graph.owning_module.recompile()
+            return
+        register_all()
         quantized = quantized_linear.canonicalize(graph) > 0
         changed = canonical_gemm_splits(graph) > 0 or quantized
         # Another round when one fused: a replacement can complete another fusion's pattern (mla_decode's

@@ -8,10 +8,10 @@ The counts live in `counters["inductor"]` under `mla_inductor.<fusion>`, because
 what a compile added there when it serves that compile from its FX-graph or AOTAutograd cache
 (`CompiledFxGraph.counter_deltas`); a cache hit runs no pass, and counts kept anywhere else would stay
 0 although the code served is fused. Only what is added while Inductor compiles the graph
-(`codegen_and_compile`, where the post-grad pass runs) is replayed: the joint-graph stage runs before
-that window (and not at all on an AOTAutograd cache hit), so its fusions are held back and counted
-when the post-grad stage of the same compile starts (`begin_stage`). MLAPass installed in the joint
-slot alone (the backend and `inductor_options()` install both) therefore counts nothing.
+(`codegen_and_compile`, where the post-grad pass runs) is replayed: the pre-grad and joint-graph stages
+run before that window (and not at all on an AOTAutograd cache hit), so their fusions are held back and
+counted when the post-grad stage of the same compile starts (`begin_stage`). MLAPass installed in an
+early slot alone (the backend and `inductor_options()` install all three) therefore counts nothing.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ class Event:
 
 
 _events: list[Event] = []
-_held_back: list[str] = []  # fusions of this compile's joint stage, counted when its post-grad stage starts
+# The stages that run before Inductor's compile window, in their order.
+_EARLY_STAGES = ("pre_grad", "joint")
+_held_back: list[tuple[str, str]] = []  # (stage, fusion) of this compile's early stages, counted when its post-grad stage starts
 
 
 def events_since(start: int) -> list[Event]:
@@ -68,18 +70,21 @@ def reset_counts() -> None:
 
 
 def begin_stage(stage: str) -> None:
-    """Called by MLAPass before it runs a stage of a compile (see the module's docstring)."""
-    if stage == "joint":
-        _held_back.clear()  # left by a compile whose post-grad stage never ran (a cache hit)
+    """Called by MLAPass before it runs a stage of a compile (see the module's docstring). A compile runs
+    the pre-grad stage first, then the joint one: what an earlier stage of the same kind left held back
+    belongs to a compile whose post-grad stage never ran (a cache hit) and is dropped."""
+    if stage in _EARLY_STAGES:
+        dropped = _EARLY_STAGES[_EARLY_STAGES.index(stage):]  # this stage and the ones after it
+        _held_back[:] = [(s, fusion) for s, fusion in _held_back if s not in dropped]
     else:
-        for fusion in _held_back:
+        for _, fusion in _held_back:
             counters["inductor"][_COUNTER_PREFIX + fusion] += 1
         _held_back.clear()
 
 
 def _count(fusion: str, stage: str) -> None:
-    if stage == "joint":
-        _held_back.append(fusion)
+    if stage in _EARLY_STAGES:
+        _held_back.append((stage, fusion))
     else:
         counters["inductor"][_COUNTER_PREFIX + fusion] += 1
 
