@@ -154,9 +154,9 @@ def compiled_greedy_decode(model, freezing, steps):
 
 
 def rewrite_and_run(fn, *args, dynamic=None):
-    """Trace fn as Inductor does (AOTAutograd with Inductor's decompositions), run MLAPass's two stages on
-    the forward graph and run that graph eagerly (our ops' reference implementations): the output and
-    the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays cheap;
+    """Trace fn as Inductor does (AOTAutograd with Inductor's decompositions), run MLAPass's stages on
+    Dynamo's graph and on the forward graph and run that graph eagerly (our ops' reference
+    implementations): the output and the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays cheap;
     the templates are tested on their own and by the compiled models. `dynamic` as torch.compile's."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._inductor.decomposition import select_decomp_table
@@ -172,10 +172,14 @@ def rewrite_and_run(fn, *args, dynamic=None):
         gm.recompile()
         return gm
 
+    def backend(gm, example_inputs):
+        MLAPass("pre_grad")(gm.graph)  # on Dynamo's graph, as compile_fx runs it before AOT
+        gm.recompile()
+        return aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())(gm, example_inputs)
+
     start = record.event_count()
     torch._dynamo.reset()
     with torch.no_grad():
-        backend = aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())
         out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
     return out, record.events_since(start)
 
