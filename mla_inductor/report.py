@@ -57,6 +57,7 @@ VARIANTS = ("eager", "stock", "stock-frozen", "mla_inductor")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MIN_DECODE_WEIGHT_BYTES = 160 << 20  # comfortably beyond 128 MiB, four times the 32 MiB L3
 BLOCK_SIZE = 16
+DEEPSEEK_MODELS = ("serving", "hf", "hf-dense")
 MOE_LAYERS = 3  # MoE layers of the "hf" model (V2-Lite's layout) after its dense first layer
 # Seconds of timing per case, past which a case takes fewer calls per round (and three rounds): a bf16
 # prefill case runs seconds per call where oneDNN has no native bf16.
@@ -501,7 +502,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--phase", choices=("decode", "prefill", "all"), default="all")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
     p.add_argument("--context", type=int, nargs="+", default=[1024, 4096], help="decode context lengths")
-    p.add_argument("--prefill-tokens", type=int, default=512)
+    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[2048, 8192],
+                   help="prompt lengths of the DeepSeek models' prefill; the Llama-family models take the first")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
     p.add_argument("--quant", choices=("none", "int8", "w8a8", "fp8"), default="none",
                    help="int8: torchao's int8 weight-only Linears (transformers models only); "
@@ -537,7 +539,9 @@ def build_cases(args: argparse.Namespace) -> list[Case]:
             if phase == "decode":
                 cases += [Case(model, phase, b, c, args.quant) for b in args.batch for c in args.context]
             else:
-                cases.append(Case(model, phase, 1, args.prefill_tokens, args.quant))
+                # MLA's prefill attention is where long prompts cost: the DeepSeek models take every length
+                tokens = args.prefill_tokens if model in DEEPSEEK_MODELS else args.prefill_tokens[:1]
+                cases += [Case(model, phase, 1, t, args.quant) for t in tokens]
     return cases
 
 
@@ -581,7 +585,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     args = parse_args(argv)
     if args.quick:
-        args.batch, args.context, args.prefill_tokens, args.rounds = [1], [64], 32, 3
+        args.batch, args.context, args.prefill_tokens, args.rounds = [1], [64], [32], 3
     dtype = DTYPES[args.dtype]
     cases = build_cases(args)
     benchmarking.fresh_compiles()

@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .checks import check_cpu_tensors
+from .checks import FP8_CACHE_DTYPES, check_cache_scale, check_cpu_tensors
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Query rows per block of the eager reference: its fp32 scores are heads x block x Tk.
@@ -41,7 +41,7 @@ def _fail(message: str) -> None:
 
 
 def check_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
-               softcap: float = 0.0) -> None:
+               is_causal: bool = False, softcap: float = 0.0) -> None:
     check_cpu_tensors(_fail, dict(query=query, key=key, value=value))
     if query.dtype not in SUPPORTED_DTYPES:
         _fail(f"query has dtype {query.dtype}; supported: bfloat16, float16, float32")
@@ -57,8 +57,8 @@ def check_args(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
         _fail(f"query's {heads} heads are not a multiple of key's {kv_heads} key/value heads")
     if value.dim() != 4 or list(value.shape[:3]) != [batch, kv_heads, key_rows]:
         _fail(f"value must be [{batch}, {kv_heads}, {key_rows}, v_head_dim] to match key, got {list(value.shape)}")
-    if key_rows < rows:
-        _fail(f"key has {key_rows} rows, fewer than query's {rows}: the query rows are the last key rows")
+    if is_causal and key_rows < rows:
+        _fail(f"key has {key_rows} rows, fewer than query's {rows}: causal query rows are the last key rows")
     if attn_mask is not None:
         check_cpu_tensors(_fail, dict(attn_mask=attn_mask))
         if attn_mask.dtype != torch.bool and attn_mask.dtype not in SUPPORTED_DTYPES:
@@ -95,7 +95,7 @@ def _block_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], di
 @torch.library.custom_op("mla::prefill_attention", mutates_args=())
 def prefill_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
                       is_causal: bool = False, scale: Optional[float] = None, softcap: float = 0.0) -> Tensor:
-    check_args(query, key, value, attn_mask, softcap)
+    check_args(query, key, value, attn_mask, is_causal, softcap)
     batch, heads, rows, head_dim = query.shape
     kv_heads, key_rows = key.shape[1], key.shape[2]
     scale = head_dim ** -0.5 if scale is None else scale
@@ -114,5 +114,113 @@ def prefill_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Opti
 
 @prefill_attention.register_fake
 def _(query, key, value, attn_mask=None, is_causal=False, scale=None, softcap=0.0):
-    check_args(query, key, value, attn_mask, softcap)
+    check_args(query, key, value, attn_mask, is_causal, softcap)
     return query.new_empty(query.shape[0], query.shape[1], query.shape[2], value.shape[-1])
+
+
+# --- SGLang's extend attention ------------------------------------------------------------------------
+
+
+def _extend_fail(message: str) -> None:
+    raise ValueError(f"mla::extend_attention: {message}")
+
+
+def check_extend_args(q_extend: Tensor, k_extend: Tensor, v_extend: Tensor, o_extend: Tensor, k_buffer: Tensor,
+                      v_buffer: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor], req_to_token: Tensor,
+                      req_pool_indices: Tensor, seq_lens: Tensor, extend_seq_lens: Tensor, extend_start_loc: Tensor,
+                      logit_cap: float, encoder_lens: Optional[Tensor]) -> None:
+    tensors = dict(q_extend=q_extend, k_extend=k_extend, v_extend=v_extend, o_extend=o_extend, k_buffer=k_buffer,
+                   v_buffer=v_buffer, req_to_token=req_to_token, req_pool_indices=req_pool_indices,
+                   seq_lens=seq_lens, extend_seq_lens=extend_seq_lens, extend_start_loc=extend_start_loc)
+    check_cpu_tensors(_extend_fail, tensors)
+    dtype = q_extend.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        _extend_fail(f"q_extend has dtype {dtype}; supported: bfloat16, float16, float32")
+    for name in ("k_extend", "v_extend", "o_extend"):
+        if tensors[name].dtype != dtype:
+            _extend_fail(f"{name} must be {dtype} like q_extend, got {tensors[name].dtype}")
+    if k_buffer.dtype != v_buffer.dtype or k_buffer.dtype not in (dtype, *FP8_CACHE_DTYPES):
+        _extend_fail(f"k_buffer and v_buffer must be {dtype} or one fp8 dtype, got {k_buffer.dtype} and {v_buffer.dtype}")
+    for name, t in tensors.items():
+        if name in ("req_to_token", "req_pool_indices", "seq_lens", "extend_seq_lens", "extend_start_loc"):
+            if t.dtype not in (torch.int32, torch.int64):
+                _extend_fail(f"{name} must be int32 or int64, got {t.dtype}")
+        elif t.dim() != 3:
+            _extend_fail(f"{name} must be [tokens, heads, head_dim], got {list(t.shape)}")
+    tokens, heads, head_dim = q_extend.shape
+    kv_heads, v_head_dim = k_extend.shape[1], v_extend.shape[2]
+    if list(k_extend.shape) != [tokens, kv_heads, head_dim] or list(v_extend.shape[:2]) != [tokens, kv_heads]:
+        _extend_fail(f"k_extend {list(k_extend.shape)} and v_extend {list(v_extend.shape)} do not match "
+                     f"q_extend {list(q_extend.shape)}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        _extend_fail(f"q_extend's {heads} heads are not a multiple of k_extend's {kv_heads}")
+    if list(o_extend.shape) != [tokens, heads, v_head_dim]:
+        _extend_fail(f"o_extend must be [{tokens}, {heads}, {v_head_dim}], got {list(o_extend.shape)}")
+    buffer_heads = k_buffer.shape[1]
+    if k_buffer.shape[2] != head_dim or v_buffer.shape[2] != v_head_dim or v_buffer.shape[:2] != k_buffer.shape[:2]:
+        _extend_fail(f"k_buffer {list(k_buffer.shape)} and v_buffer {list(v_buffer.shape)} must be "
+                     f"[slots, heads, {head_dim}] and [slots, heads, {v_head_dim}]")
+    if buffer_heads not in (1, kv_heads):
+        _extend_fail(f"the buffers have {buffer_heads} heads: 1 (MLA's latent) or k_extend's {kv_heads}")
+    if req_to_token.dim() != 2:
+        _extend_fail(f"req_to_token must be [requests, max_tokens], got {list(req_to_token.shape)}")
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    for name in ("req_pool_indices", "seq_lens", "extend_seq_lens", "extend_start_loc"):
+        if tensors[name].dim() != 1 or tensors[name].shape[0] != batch:
+            _extend_fail(f"{name} must be [batch] like seq_lens, got {list(tensors[name].shape)}")
+    if encoder_lens is not None and (encoder_lens.dim() != 1 or encoder_lens.shape[0] != batch):
+        _extend_fail(f"encoder_lens must be [{batch}], got {list(encoder_lens.shape)}")
+    check_cache_scale(_extend_fail, "k_scale", k_scale, k_buffer, "k_buffer")
+    check_cache_scale(_extend_fail, "v_scale", v_scale, v_buffer, "v_buffer")
+    if not logit_cap >= 0:
+        _extend_fail(f"logit_cap must be >= 0 (0: none), got {logit_cap}")
+
+
+def _buffer_rows(buffer: Tensor, scale: Optional[Tensor], slots: Tensor, dtype: torch.dtype) -> Tensor:
+    """Rows `slots` of a cache buffer as [heads, rows, dim] in `dtype` (an fp8 buffer dequantized first)."""
+    rows = buffer[slots]
+    if rows.dtype in FP8_CACHE_DTYPES:
+        rows = rows.float() if scale is None else rows.float() * scale.expand(buffer.shape[0], *scale.shape[1:])[slots]
+    return rows.to(dtype).transpose(0, 1)
+
+
+@torch.library.custom_op("mla::extend_attention", mutates_args=("o_extend",))
+def extend_attention(q_extend: Tensor, k_extend: Tensor, v_extend: Tensor, o_extend: Tensor, k_buffer: Tensor,
+                     v_buffer: Tensor, k_scale: Optional[Tensor], v_scale: Optional[Tensor], req_to_token: Tensor,
+                     req_pool_indices: Tensor, seq_lens: Tensor, extend_seq_lens: Tensor,
+                     extend_start_loc: Tensor, max_len_extend: int, sm_scale: float, logit_cap: float = 0.0,
+                     is_cross_attn: bool = False, encoder_lens: Optional[Tensor] = None) -> None:
+    check_extend_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale, req_to_token,
+                      req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, logit_cap, encoder_lens)
+    dtype = q_extend.dtype
+    for i in range(seq_lens.shape[0]):
+        start, new = int(extend_start_loc[i]), int(extend_seq_lens[i])
+        length, encoder = int(seq_lens[i]), int(encoder_lens[i]) if encoder_lens is not None else 0
+        if new == 0:
+            continue
+        if not 0 <= new <= length or start + new > q_extend.shape[0] or new > max_len_extend:
+            _extend_fail(f"request {i}: {new} new tokens from row {start} of {length} does not fit q_extend's "
+                         f"{q_extend.shape[0]} rows and max_len_extend {max_len_extend}")
+        slots = req_to_token[int(req_pool_indices[i])]
+        if is_cross_attn:  # the new tokens attend to the encoder's rows, all of them
+            keys, values = (_buffer_rows(b, s, slots[:encoder].long(), dtype) for b, s in
+                            ((k_buffer, k_scale), (v_buffer, v_scale)))
+            causal = False
+        else:  # the cached prefix from the buffers, then the new tokens' own rows, causal
+            prefix = slots[encoder:encoder + length - new].long()
+            keys, values = (
+                torch.cat([_buffer_rows(b, s, prefix, dtype).expand(new_rows.shape[1], -1, -1),
+                           new_rows[start:start + new].transpose(0, 1)], dim=1)
+                for b, s, new_rows in ((k_buffer, k_scale, k_extend), (v_buffer, v_scale, v_extend)))
+            causal = True
+        query = q_extend[start:start + new].transpose(0, 1)[None]
+        out = torch.ops.mla.prefill_attention(query, keys[None], values[None], None, causal, sm_scale, logit_cap)
+        o_extend[start:start + new] = out[0].transpose(0, 1)
+
+
+@extend_attention.register_fake
+def _(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale, req_to_token, req_pool_indices,
+      seq_lens, extend_seq_lens, extend_start_loc, max_len_extend, sm_scale, logit_cap=0.0, is_cross_attn=False,
+      encoder_lens=None):
+    check_extend_args(q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, k_scale, v_scale, req_to_token,
+                      req_pool_indices, seq_lens, extend_seq_lens, extend_start_loc, logit_cap, encoder_lens)

@@ -66,7 +66,7 @@ def _decline_reason(kw: dict) -> Optional[str]:
     if mask is not None and not isinstance(mask, torch.Tensor):
         return "the mask has no example value"
     try:
-        check_args(query, key, value, mask)
+        check_args(query, key, value, mask, kw["is_causal"])
     except ValueError as error:
         return str(error).removeprefix("mla::prefill_attention: ")
     return None
