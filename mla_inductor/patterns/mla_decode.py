@@ -358,14 +358,18 @@ def _cache_read(operand: contraction.Operand, roles: dict) -> _CacheRead:
         if rank != 3:
             raise Decline(f"the cache read is {rank}-D, not [batch, rows, columns]")
         expected_rows = [(1, None)]
+    # a dim of one row (a block size of 1, a table of one block) has no factor: it is read whole anyway
+    expected_rows = [(lab, size) for lab, size in expected_rows if size is None or not same(size, 1)]
     rows = by_role.get("rows", [])
     if [f.label for f in rows] != [lab for lab, _ in expected_rows] or any(not same(f.stride, 1) for f in rows):
         raise Decline("the rows reduced over are not the cache's rows in order")
     for f, (lab, size) in zip(rows, expected_rows):
         if not same(layout.offsets.get(lab, 0), 0) or (size is not None and not same(f.size, size)):
             raise Decline("the rows read do not start at the first row of each request")
-    if (len(request) != 1 or request[0].label != 0 or not same(request[0].stride, 1)
-            or not same(layout.offsets.get(0, 0), 0)):
+    # a batch of one (Dynamo specializes it): no request axis, the request read is where dim 0 starts
+    if request and (len(request) != 1 or request[0].label != 0 or not same(request[0].stride, 1)):
+        raise Decline("the cache's requests are not read in order from the first")
+    if not same(layout.offsets.get(0, 0), 0):
         raise Decline("the cache's requests are not read in order from the first")
     return _CacheRead(cache, tables, math.prod(f.size for f in rows), start, col.size)
 

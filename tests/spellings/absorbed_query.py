@@ -42,8 +42,8 @@ class Inputs:
         return self.wkv_b.view(HEADS, -1, LATENT)[:, NOPE:]
 
 
-def make_inputs(dtype=torch.bfloat16, seed: int = 0) -> Inputs:
-    cache = ld.make_inputs(dtype, seed=seed)
+def make_inputs(dtype=torch.bfloat16, seed: int = 0, batch: int = len(ld.SEQ_LENS)) -> Inputs:
+    cache = ld.make_inputs(dtype, batch=batch, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = cache.batch
     inv = 1.0 / 10000 ** (torch.arange(0, ROPE, 2, dtype=torch.float32) / ROPE)

@@ -43,27 +43,32 @@ class Inputs:
 
     def per_token(self) -> tuple[torch.Tensor, torch.Tensor]:
         """SGLang's layout: a [tokens, L + R] pool and a request-to-token index [B, rows]."""
+        block_size = self.paged.shape[1]
         pool = self.paged.flatten(0, 1)
         rows = torch.arange(ROWS)
-        index = self.block_tables[:, rows // BLOCK_SIZE] * BLOCK_SIZE + rows % BLOCK_SIZE
+        index = self.block_tables[:, rows // block_size] * block_size + rows % block_size
         return pool, index
 
 
-def make_inputs(dtype=torch.bfloat16, batch: int = len(SEQ_LENS), seed: int = 0) -> Inputs:
+def make_inputs(dtype=torch.bfloat16, batch: int = len(SEQ_LENS), seed: int = 0, block_size: int = BLOCK_SIZE,
+                heads: int = HEADS, seq_lens=None) -> Inputs:
+    """A batch of requests whose ROWS cache rows lie in blocks of `block_size` (a divisor of ROWS; 1 is
+    SGLang's token-granular pool), request b seeing its first seq_lens[b] rows (SEQ_LENS by default)."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = batch * MAX_BLOCKS + 3
-    tables = torch.randperm(blocks, generator=gen)[: batch * MAX_BLOCKS].view(batch, MAX_BLOCKS).to(torch.int32)
+    max_blocks = ROWS // block_size
+    blocks = batch * max_blocks + 3
+    tables = torch.randperm(blocks, generator=gen)[: batch * max_blocks].view(batch, max_blocks).to(torch.int32)
 
     def randn(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
     return Inputs(
-        q_lat=randn(batch, HEADS, LATENT),
-        q_pe=randn(batch, HEADS, ROPE),
-        paged=randn(blocks, BLOCK_SIZE, LATENT + ROPE),
+        q_lat=randn(batch, heads, LATENT),
+        q_pe=randn(batch, heads, ROPE),
+        paged=randn(blocks, block_size, LATENT + ROPE),
         block_tables=tables,
-        seq_lens=torch.tensor(SEQ_LENS[:batch]),
-        w_vc=randn(HEADS, V_HEAD, LATENT, std=LATENT**-0.5),
+        seq_lens=torch.tensor(SEQ_LENS[:batch] if seq_lens is None else seq_lens),
+        w_vc=randn(heads, V_HEAD, LATENT, std=LATENT**-0.5),
     )
 
 

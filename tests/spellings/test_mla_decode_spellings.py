@@ -7,6 +7,8 @@ import copy
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mla_inductor
 from graph_utils import declined, fired, has_dynamic_sizes, rewrite_and_run
@@ -40,6 +42,25 @@ def test_spelling_fires_with_dynamic_batch_and_rows(name):
     assert has_dynamic_sizes(rewrite_and_run.graph)
     assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
     torch.testing.assert_close(out, ld.SPELLINGS[name](*args), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=24, deadline=None)
+@given(name=st.sampled_from(sorted(ld.SPELLINGS)), batch=st.integers(1, 3), block_size=st.sampled_from([1, 2, 4, 16]),
+       heads=st.sampled_from([1, 2, 4]), lengths=st.lists(st.integers(1, ld.ROWS), min_size=3, max_size=3),
+       dynamic=st.booleans())
+def test_spellings_fire_where_dynamo_specializes_a_size_of_one(name, batch, block_size, heads, lengths, dynamic):
+    """Sizes the match reasons about at 1 after specialization (a batch of one, a block size of one:
+    SGLang's token pool, a table of one block, one head: a tensor-parallel rank's, one cached row), as
+    well as larger, static or marked dynamic."""
+    inputs = ld.make_inputs(torch.float32, batch=batch, block_size=block_size, heads=heads, seq_lens=lengths[:batch])
+    args = ld.spelling_args(name, inputs)
+    if dynamic:
+        args = ld.mark_dynamic(args, inputs)
+    out, events = rewrite_and_run(ld.SPELLINGS[name], *args)
+    assert fired(events, "mla_decode") == 1, declined(events, "mla_decode")
+    reads_every_row = name == "deepseek_two_caches"
+    expected = ld.reference_fp64(inputs, [ld.ROWS] * batch if reads_every_row else None, w_vc=name != "latent_output_only")
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_reference_is_independent_of_the_spellings():

@@ -24,6 +24,17 @@ def test_spelling_fires_and_is_no_less_accurate_than_eager(name, dtype):
 
 
 @pytest.mark.parametrize("name", list(aq.SPELLINGS))
+def test_spelling_fires_at_batch_one(name):
+    """One decode token: Dynamo specializes the size of 1, and the graph has no token axis."""
+    x = aq.make_inputs(torch.float32, batch=1)
+    out, events = rewrite_and_run(aq.SPELLINGS[name], x)
+    for fusion in ("rope", "mla_decode", "q_b_absorb"):
+        assert fired(events, fusion) == 1, (fusion, declined(events, fusion))
+    expected = aq.reference_fp64(x, aq.STYLE.get(name, "interleaved"))
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(aq.SPELLINGS))
 def test_spelling_fires_with_dynamic_tokens_and_rows(name):
     """As a server compiles it: one graph for every batch and cache length (symbolic sizes)."""
     x = aq.mark_dynamic(aq.make_inputs(torch.float32))
