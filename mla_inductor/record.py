@@ -44,7 +44,8 @@ class Event:
 _events: list[Event] = []
 # The stages that run before Inductor's compile window, in their order.
 _EARLY_STAGES = ("pre_grad", "joint")
-_held_back: list[tuple[str, str]] = []  # (stage, fusion) of this compile's early stages, counted when its post-grad stage starts
+# (stage, fusion) of this compile's early stages, counted when its post-grad stage starts
+_held_back: list[tuple[str, str]] = []
 
 
 def events_since(start: int) -> list[Event]:

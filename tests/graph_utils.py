@@ -194,3 +194,25 @@ def fired(events, fusion):
 
 def declined(events, fusion):
     return [e.reason for e in events if e.fusion == fusion and not e.fired]
+
+
+def inductor_passes_backend(gm, example_inputs):
+    """A torch.compile backend that runs MLAPass where Inductor runs it, after Inductor's own joint-graph
+    passes (constant folding, no-op removal, which the traced decode patterns expect), and then runs the
+    graph eagerly on our ops' references: what fires in a real compile, without building any C++."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    def forward(gm, example_inputs):
+        with torch._inductor.config.patch(joint_custom_post_pass=MLAPass("joint")):
+            joint_graph_passes(gm)
+        view_to_reshape(gm)
+        MLAPass("post_grad")(gm.graph)
+        gm.recompile()
+        return gm
+
+    MLAPass("pre_grad")(gm.graph)
+    gm.recompile()
+    return aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())(gm, example_inputs)
