@@ -27,8 +27,9 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
 GAPS = {
     "axk2": {"q_b_absorb": "its query is not whole heads' columns of q_b_proj"},
     "dots3_note_text": {"qkv_a_proj": "per-layer configs set their own LoRA ranks"},
-    "hy_v4": {"q_b_absorb": "attention sinks and a sigmoid output gate (no mla_decode to absorb into)",
-              "mla_decode": "attention sinks (a learned per-head logit in the softmax) and a sigmoid output gate"},
+    "hy_v4": {"q_b_absorb": "no mla_decode to absorb into",
+              "mla_decode": "attention sinks (a learned per-head logit in the softmax: explain() says so), a sigmoid "
+                            "gate on the output, and eager attention over kv_b_proj's heads"},
     "kimi_linear": {"rope": "its MLA layers have no RoPE", "q_b_absorb": "MLA without RoPE",
                     "mla_decode": "MLA without RoPE: scores over c_kv alone"},
     "longcat_flash": {"q_b_absorb": "its q_b_proj is not read as the fusion expects"},
@@ -88,3 +89,20 @@ def test_family_decode_fires_per_mla_layer_and_tokens_equal_eager(model_type):
             assert count == 0, f"{fusion} fires now on {model_type}: update GAPS ({gaps[fusion]})"
         else:
             assert count >= mla_layers, (fusion, count, mla_layers, declined(events, fusion))
+
+
+def test_attention_sinks_are_declined_with_the_reason():
+    """HunYuan-V4's attention joins a learned per-head logit to the softmax (sinks), in its eager attention
+    over kv_b_proj's heads (multi-head attention to the walks): the decode fusions say why they decline,
+    where the walks used to stop without a word."""
+    model = tiny_model("hy_v4")
+    prompt = torch.randint(0, TINY["vocab_size"], (1, 4), generator=torch.Generator().manual_seed(1))
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    torch._dynamo.reset()
+    start = record.event_count()
+    step = torch.compile(lambda ids, pos: model(input_ids=ids, past_key_values=cache, position_ids=pos).logits,
+                         backend=inductor_passes_backend)
+    greedy(model, cache, prompt, 1, step)
+    events = record.events_since(start)
+    reasons = declined(events, "mla_decode") + declined(events, "gqa_decode")
+    assert any("attention sinks" in reason for reason in reasons), reasons

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -46,6 +47,33 @@ def logits_of_softmax(div: torch.fx.Node) -> Optional[torch.fx.Node]:
         return None
     logits = shifted.args[0]
     return logits if shifted.args[1].args[0] is logits else None
+
+
+def scores_beside_sinks(logits: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The scores where the softmax's input joins them with attention sinks (gpt-oss, HunYuan:
+    `cat([scores, sinks], -1)`, a learned per-head logit in the softmax's denominator only, whose column
+    is dropped after; maybe less its row max first), else None. The decode ops have no sinks yet: the
+    fusions decline these, with that reason, once they know the scores are theirs."""
+    aten = torch.ops.aten
+    if node_is(logits, aten.sub.Tensor):  # x - max(x): the softmax's own shift, written out
+        shift = logits.args[1]
+        if node_is(shift, operator.getitem):
+            shift = shift.args[0]
+        if node_is(shift, aten.amax.default, aten.max.dim) and shift.args[0] is logits.args[0]:
+            logits = logits.args[0]
+    if not node_is(logits, aten.cat.default):
+        return None
+    parts, dim = logits.args[0], logits.args[1] if len(logits.args) > 1 else 0
+    if dim % logits.meta["val"].dim() != logits.meta["val"].dim() - 1 or len(parts) != 2:
+        return None
+    try:
+        read_logits(parts[0])
+    except (contraction.Unsupported, Decline):
+        return None
+    return parts[0]
+
+
+SINKS = "attention sinks (a learned per-head logit in the softmax's denominator) are not supported yet"
 
 
 @dataclasses.dataclass

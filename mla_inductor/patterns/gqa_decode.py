@@ -37,8 +37,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.gqa_decode import check_args
 from . import contraction
-from .attention_scores import (Logits, logits_of_softmax, mask_argument, next_contraction, read_logits,
-                               roles_of_contraction, scale_by_tensors, softmax_divisions)
+from .attention_scores import (SINKS, Logits, logits_of_softmax, mask_argument, next_contraction, read_logits,
+                               roles_of_contraction, scale_by_tensors, scores_beside_sinks, softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion
 
@@ -258,8 +258,9 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     found = next_contraction(div) if logits_node is not None else None
     if found is None:
         return None
+    sinks_beside = scores_beside_sinks(logits_node)
     try:
-        logits = read_logits(logits_node)
+        logits = read_logits(sinks_beside or logits_node)
         if len(logits.terms) != 1:
             return None
         (term,) = logits.terms
@@ -267,6 +268,8 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
         value, probs_is_a = found
         if {value.a.origin, value.b.origin} & {scores.a.origin, scores.b.origin}:
             return None  # values read from the keys' tensor: latent attention (mla_decode)
+        if sinks_beside is not None:
+            raise Decline(SINKS)
         at, layout = scores.node, scores.output_layout()
         while at is not term:  # the layout ops from the bmm to the logits
             if len(at.users) != 1:

@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import contraction
 from .attention_scores import (Logits, logits_of_softmax, mask_argument, next_contraction, node_is, read_logits,
-                               roles_of_contraction, scale_by_tensors, softmax_divisions)
+                               SINKS, roles_of_contraction, scale_by_tensors, scores_beside_sinks, softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion, upcast
 
@@ -442,13 +442,16 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
     found = next_contraction(div) if logits_node is not None else None
     if found is None:
         return None  # no softmax, or probabilities no contraction reads (a MoE router's): not attention
+    sinks_beside = scores_beside_sinks(logits_node)
     try:
-        logits = read_logits(logits_node)
+        logits = read_logits(sinks_beside or logits_node)
     except contraction.Unsupported:
         return None  # a softmax over something other than scores: not a candidate at all
     try:
         if not _values_from_the_scores_cache(logits, found[0]):
             return None
+        if sinks_beside is not None:
+            raise Decline(SINKS)
         terms = [_score_term(t) for t in logits.terms]
     except contraction.Unsupported:
         return None
