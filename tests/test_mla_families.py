@@ -13,7 +13,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from graph_utils import declined, fired, greedy, inductor_passes_backend
-from mla_inductor import record
+from mla_inductor import record, supported
 
 DECODE_FUSIONS = ("qkv_a_proj", "rope", "q_b_absorb", "mla_decode")
 # Sizes every family's config takes where it has the field (distinct, small, heads of 16 + 8 / 16).
@@ -22,18 +22,10 @@ TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_lay
             v_head_dim=16, head_dim=8, num_layers=2, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=256,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
-# Families whose MLA layers lack what a fusion needs: fusion -> why (the missing feature). The test fails
-# when such a fusion starts to fire, so that this list stays true.
-GAPS = {
-    "axk2": {"q_b_absorb": "its query is not whole heads' columns of q_b_proj"},
-    "dots3_note_text": {"qkv_a_proj": "per-layer configs set their own LoRA ranks"},
-    "hy_v4": {"q_b_absorb": "no mla_decode to absorb into",
-              "mla_decode": "attention sinks (a learned per-head logit in the softmax: explain() says so), a sigmoid "
-                            "gate on the output, and eager attention over kv_b_proj's heads"},
-    "kimi_linear": {"rope": "its MLA layers have no RoPE", "q_b_absorb": "MLA without RoPE",
-                    "mla_decode": "MLA without RoPE: scores over c_kv alone"},
-    "longcat_flash": {"q_b_absorb": "its q_b_proj is not read as the fusion expects"},
-}
+# Families whose MLA layers lack what a fusion needs: fusion -> why (the missing feature), the README's
+# table's source (mla_inductor/supported.py). The test fails when such a fusion starts to fire, so that the
+# list stays true.
+GAPS = supported.MLA_FAMILY_GAPS
 
 
 def mla_families() -> list[str]:
@@ -63,8 +55,11 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
-def test_the_families_are_found():
-    assert {"deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear"} <= set(mla_families())
+def test_the_families_are_found_and_the_readme_table_lists_each():
+    found = set(mla_families())
+    assert {"deepseek_v2", "deepseek_v3", "minicpm3", "kimi_linear"} <= found
+    listed = {"deepseek_v2", "deepseek_v3", *supported.MLA_FAMILY_GAPS, *supported.MLA_FAMILIES_FIRING_ALL}
+    assert found == listed, (found - listed, listed - found)
 
 
 @pytest.mark.parametrize("model_type", mla_families())
