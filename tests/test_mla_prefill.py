@@ -271,6 +271,74 @@ def test_not_a_candidate_where_others_serve():
     assert not [e for e in events + more if e.fusion == "mla_prefill"]
 
 
+def repeat_kv(x, n_rep):
+    batch, kv_heads, rows, head_dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, n_rep, rows, head_dim).reshape(batch, kv_heads * n_rep, rows, head_dim)
+
+
+def transformers_eager(q, k, v, mask):
+    """transformers' eager_attention_forward (grouped heads by repeat_kv, its additive min-valued mask)."""
+    k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+    weights = torch.matmul(q, k.transpose(2, 3)) * 0.2
+    weights = weights + mask[:, :, :, : k.shape[-2]]
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).contiguous()
+
+
+def deepseek_naive(q, k, v, mask):
+    """DeepSeek's reference `naive` prefill: [B, S, H, D] einsums against the caches, an additive [S, S] mask."""
+    scores = torch.einsum("bshd,bthd->bsht", q, k) * 0.2
+    scores += mask.unsqueeze(1)
+    scores = scores.softmax(dim=-1, dtype=torch.float32).type_as(q)
+    return torch.einsum("bsht,bthd->bshd", scores, v)
+
+
+def serving_masked_fill(q, k, v, lengths):
+    """Serving code's own: fp32 scores by bmm over heads in the batch, a length mask by masked_fill."""
+    batch, heads, rows, _ = q.shape
+    scores = torch.bmm(q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2)).float() * 0.2
+    causal = torch.arange(rows)[None, :] <= torch.arange(rows)[:, None]
+    visible = causal[None] & (torch.arange(rows)[None, None, :] < lengths.repeat_interleave(heads)[:, None, None])
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(q.dtype)
+    return torch.bmm(probs, v.flatten(0, 1)).view(batch, heads, rows, -1)
+
+
+def test_written_out_prefill_attention_is_rewritten():
+    """Attention spelled out by others, read by its math (the SDPA form goes by the pre-grad rewrite)."""
+    q, k, v = make_inputs(2, 4, 2, 12, 12, 24, 16)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    expected = attention_fp64(q, k, v, causal, False, 0.2)
+    additive = torch.zeros(2, 1, 12, 12).masked_fill(~causal, torch.finfo(torch.float32).min).bfloat16()
+    heads_second = (q.transpose(1, 2).contiguous(), repeat_kv(k, 2).transpose(1, 2).contiguous(),
+                    repeat_kv(v, 2).transpose(1, 2).contiguous())
+    cases = [
+        (transformers_eager, (q, k, v, additive), expected.transpose(1, 2)),
+        (deepseek_naive, (*heads_second, torch.full((12, 12), float("-inf")).triu(1)), expected.transpose(1, 2)),
+    ]
+    lengths = torch.tensor([12, 7])
+    full_k, full_v = repeat_kv(k, 2), repeat_kv(v, 2)
+    visible = causal[None, None] & (torch.arange(12) < lengths[:, None])[:, None, None, :]
+    cases.append((serving_masked_fill, (q, full_k, full_v, lengths), attention_fp64(q, full_k, full_v, visible, False, 0.2)))
+    for fn, args, reference in cases:
+        out, events = rewrite_and_run(fn, *args)
+        assert fired(events, "mla_prefill") == 1, (fn.__name__, declined(events, "mla_prefill"))
+        error = (out.double() - reference).abs().max()
+        assert error <= max(1e-2, 1.5 * (fn(*args).double() - reference).abs().max()), (fn.__name__, error)
+
+
+def test_written_out_attention_of_one_head_size_is_no_candidate():
+    q, k, v = make_inputs(1, 4, 2, 10, 10, 16, 16)
+    mask = torch.zeros(1, 1, 10, 10).bfloat16()
+    _, events = rewrite_and_run(transformers_eager, q, k, v, mask)
+    assert not [e for e in events if e.fusion == "mla_prefill"]
+
+
+def test_written_out_fp32_is_declined_with_the_reason():
+    q, k, v = make_inputs(1, 2, 2, 10, 10, 24, 16, torch.float32)
+    _, events = rewrite_and_run(transformers_eager, q, k, v, torch.zeros(1, 1, 10, 10))
+    assert any("bf16" in reason for reason in declined(events, "mla_prefill")), declined(events, "mla_prefill")
+
+
 @pytest.mark.parametrize("arch", ["v3", "v2"])
 def test_transformers_deepseek_prefill(arch):
     """transformers' DeepSeek V3 / V2 attention (sdpa, the default) at prefill: every layer's attention

@@ -13,7 +13,7 @@ from .registry import STAGES, pattern_pass
 from .rope import merge_into_qkv_a_proj
 
 # Registered in this order: larger fusions first where they overlap.
-FUSION_MODULES = (qkv_a, q_b_absorb, mla_decode, rope, gqa_qkv, gqa_decode, moe)
+FUSION_MODULES = (qkv_a, q_b_absorb, mla_decode, rope, gqa_qkv, gqa_decode, moe, mla_prefill)
 
 __all__ = ["STAGES", "count_whole_chains", "merge_into_qkv_a_proj", "mla_prefill", "pattern_pass", "register_all"]
 

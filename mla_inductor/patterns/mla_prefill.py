@@ -14,6 +14,7 @@ Inductor's kernels over the scores. Spellings found in real graphs:
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -22,6 +23,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_prefill import check_args
 from ..record import record_decision
+from . import contraction
+from .attention_scores import (Logits, logits_of_softmax, next_contraction, read_logits, roles_of_contraction,
+                               softmax_divisions)
+from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
+from .registry import register_anchored_rewrite
 
 FUSION = "mla_prefill"
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -96,3 +102,166 @@ def rewrite_sdpa(graph: torch.fx.Graph, stage: str) -> int:
         graph.erase_node(node)
         fired += 1
     return fired
+
+
+# --- anchored match: attention of many query rows written out ----------------------------------------
+#
+# Model code that writes its prefill attention out (transformers' `attn_implementation="eager"`, DeepSeek's
+# reference `naive` einsums, serving code's own) spells SDPA's math: q . k^T (scaled, softcapped), a mask,
+# a softmax (in fp32 and back), . v. The walk anchors on the softmax, reads its logits as mla_decode's and
+# gqa_decode's walks do (attention_scores.py), and the score contraction's axes by role:
+#   - feature: contracted (the key's last dim);
+#   - rows: free in the keys (the softmax's dim); query_rows: free in the queries (more than one);
+#   - group: a batch axis along which the keys are broadcast (repeat_kv's expand: grouped heads);
+#   - request, kv_head: the batch axes both read (the outer one the request; one alone: heads).
+# P.V must contract the probabilities' rows with values read like the keys, broadcast over the group.
+# The op then reads q, k and v as the graph already holds them, in role order (views where the layout
+# allows), and the mask as [request or 1, heads or 1, query rows or 1, rows]. It runs after the decode
+# walks, which take one query row per head.
+_QUERY_ORDER = ("request", "kv_head", "group", "query_rows", "feature")
+_MASK_ORDER = (("request",), ("kv_head", "group"), ("query_rows",), ("rows",))
+_MASK_ROLES = tuple(role for group in _MASK_ORDER for role in group)
+
+
+def _score_roles(c: contraction.Contraction, query_is_a: bool) -> dict:
+    roles, shared = {}, []
+    for axis, (fa, fb, _) in c.axes.items():
+        fk = fb if query_is_a else fa
+        if axis[0] == "k":
+            roles[axis] = "feature"
+        elif axis[0] == "batch":
+            if fk.label is None:
+                roles[axis] = "group"
+            else:
+                shared.append(axis)
+        else:
+            roles[axis] = "rows" if fk is not None else "query_rows"
+    values = list(roles.values())
+    if values.count("query_rows") != 1 or values.count("rows") != 1 or values.count("group") > 1 or len(shared) > 2:
+        raise contraction.Unsupported("not one run of query rows against one of key rows per request and head")
+    shared.sort(key=lambda a: c.axes[a][0 if query_is_a else 1].label)
+    roles.update(zip(shared, ("request", "kv_head") if len(shared) == 2 else ("kv_head",)))
+    return roles
+
+
+def _mask_view(emit: Emitter, mask: torch.fx.Node, scores_roles: list) -> torch.fx.Node:
+    """A mask broadcast against the logits (dims `scores_roles`) as [request or 1, heads or 1, query rows
+    or 1, rows or 1]. A logits dim that merges roles (heads in the batch) is split for the mask first."""
+    aten = torch.ops.aten
+    shape = contraction.shape(mask)
+    rank = len(scores_roles)
+    if len(shape) > rank:
+        raise Decline("the mask has more dims than the scores")
+    split, roles = [], []  # the mask's dims one role each (None: broadcast)
+    for size, entries in zip([1] * (rank - len(shape)) + list(shape), scores_roles):
+        live = [(role, n) for role, n, _ in entries if not same(n, 1)]
+        if same(size, 1) or not live:
+            split.append(1)
+            roles.append(None)
+        elif same(size, math.prod(n for _, n in live)):
+            split += [n for _, n in live]
+            roles += [role for role, _ in live]
+        else:
+            raise Decline("the mask covers part of a dim of the scores")
+    if any(role not in _MASK_ROLES for role in roles if role is not None) or len(set(roles) - {None}) != sum(
+            role is not None for role in roles):
+        raise Decline("the mask's dims are not one request, head, query row and key row each")
+    view = emit(aten.reshape.default, mask, split)
+    kept = sorted((d for d, role in enumerate(roles) if role is not None), key=lambda d: _MASK_ROLES.index(roles[d]))
+    view = emit(aten.permute.default, view, kept + [d for d, role in enumerate(roles) if role is None])
+    sizes = dict(zip((roles[d] for d in kept), (split[d] for d in kept)))
+    return emit(aten.reshape.default, view, [math.prod(sizes.get(role, 1) for role in group) for group in _MASK_ORDER])
+
+
+def _mask_argument(emit: Emitter, logits: Logits, scores_roles: list) -> Optional[torch.fx.Node]:
+    if logits.bias is not None and logits.admit is not None:
+        raise Decline("an additive and a boolean mask both")
+    if logits.bias is not None:
+        bias = logits.bias
+        if logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
+            bias = emit(torch.ops.aten.mul.Tensor, bias, logits.bias_scale)
+        return _mask_view(emit, bias, scores_roles)
+    if logits.admit is not None:
+        negate = isinstance(logits.admit, tuple)
+        admit = _mask_view(emit, logits.admit[1] if negate else logits.admit, scores_roles)
+        return emit(torch.ops.aten.logical_not.default, admit) if negate else admit
+    return None
+
+
+def rewrite_written_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
+    """The anchored match (see above) on a softmax that may be prefill attention written out."""
+    aten = torch.ops.aten
+    logits_node = logits_of_softmax(div)
+    found = next_contraction(div) if logits_node is not None else None
+    if found is None:
+        return False
+    try:
+        logits = read_logits(logits_node)
+        if len(logits.terms) != 1:
+            return False
+        (term,) = logits.terms
+        scores = contraction.Contraction.of(contraction.trace_back(term).origin)
+        at, layout = scores.node, scores.output_layout()
+        while at is not term:  # the layout ops from the bmm to the logits
+            if len(at.users) != 1:
+                return False
+            (at,) = at.users
+            layout = contraction.apply(layout, at)
+        last = layout.dims[-1]
+        if not last or len({f.label[0] for f in last}) != 1 or last[0].label[0] not in ("m", "n"):
+            return False
+        query_is_a = last[0].label[0] == "n"
+        roles = _score_roles(scores, query_is_a)
+    except contraction.Unsupported:
+        return False
+    feature = math.prod(size for axis, (_, _, size) in scores.axes.items() if roles[axis] == "feature")
+    if same(feature, contraction.shape(found[0].node)[-1]):
+        return False  # q/k and v heads of one size: not MLA's (grouped-query attention keeps its own)
+    # From here on the softmax reads MLA attention scores of many query rows: near misses are reported.
+    if [f.label for f in last] != [a for a in scores.axes if roles[a] == "rows"]:
+        raise Decline("the softmax dim does not hold every key row")
+    scores_roles = axis_roles(layout, roles)
+    value, probs_is_a = found
+    value_roles = roles_of_contraction(value, probs_is_a, scores_roles, "value_column", "group")
+    if not all((axis[0] == "k") == (role == "rows") for axis, role in value_roles.items()):
+        raise Decline("P.V does not contract the probabilities' rows with the value rows")
+    for axis, role in value_roles.items():
+        factor = value.axes[axis][1 if probs_is_a else 0]
+        if role == "group" and factor is not None and factor.label is not None:
+            raise Decline("the values differ between the query heads of a group")
+    if logits.scale_tensors:
+        raise Decline("the scale is a tensor (dynamic=True): not taken yet")
+    operands = (scores.a, scores.b, value.a, value.b)
+    if {o.node.meta["val"].dtype for o in operands} != {torch.bfloat16}:
+        raise Decline("the products are not bf16 (the template serves bf16)")
+    sizes = {"request": 1, "kv_head": 1, "group": 1}
+    for role in set(roles.values()):
+        sizes[role] = math.prod(size for axis, (_, _, size) in scores.axes.items() if roles[axis] == role)
+    sizes["value_column"] = math.prod(size for axis, (_, _, size) in value.axes.items()
+                                      if value_roles[axis] == "value_column")
+    if not same(math.prod(size for axis, (_, _, size) in value.axes.items() if value_roles[axis] == "rows"),
+                sizes["rows"]):
+        raise Decline("P.V reads another number of rows than the scores")
+    end, out_layout, _ = value.result()
+    emit = Emitter(graph, end, like=div)
+    heads = sizes["kv_head"] * sizes["group"]
+    query = operand_in_role_order(emit, scores, query_is_a, roles, _QUERY_ORDER, sizes)
+    query = emit(aten.reshape.default, query, [sizes["request"], heads, sizes["query_rows"], sizes["feature"]])
+    key = operand_in_role_order(emit, scores, not query_is_a, roles, ("request", "kv_head", "rows", "feature"), sizes)
+    values = operand_in_role_order(emit, value, not probs_is_a, value_roles,
+                                   ("request", "kv_head", "rows", "value_column"), sizes)
+    mask = _mask_argument(emit, logits, scores_roles)
+    try:
+        out = emit(torch.ops.mla.prefill_attention.default, query, key, values, mask, False, logits.scale,
+                   logits.softcap)
+    except ValueError as error:
+        raise Decline(str(error).removeprefix("mla::prefill_attention: ")) from error
+    out = emit(aten.reshape.default, out, [sizes["request"], sizes["kv_head"], sizes["group"], sizes["query_rows"],
+                                           sizes["value_column"]])
+    order = ("request", "kv_head", "group", "query_rows", "value_column")
+    end.replace_all_uses_with(from_role_order(emit, out, order, sizes, end, axis_roles(out_layout, value_roles)))
+    return True
+
+
+def register() -> None:
+    register_anchored_rewrite(FUSION, softmax_divisions, rewrite_written_attention)
