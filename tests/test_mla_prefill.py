@@ -461,3 +461,14 @@ def test_extend_attention_bad_arguments_are_named():
             case["q_extend"], case["k_extend"], case["v_extend"], torch.empty(3, 2, 8, dtype=torch.bfloat16),
             case["k_buffer"], case["v_buffer"], None, None, case["req_to_token"], case["req_pool_indices"],
             case["seq_lens"], torch.tensor([9]), case["extend_start_loc"], 3, 0.25)
+
+
+def test_transformers_deepseek_eager_attention_prefill():
+    """attn_implementation="eager": the attention written out (bf16 matmuls, fp32 softmax), read by its math."""
+    model = build_hf_model("tiny", arch="v3", num_hidden_layers=2, attn_implementation="eager")
+    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    out, events = rewrite_and_run(lambda i: model(input_ids=i).logits, ids)
+    assert fired(events, "mla_prefill") == 2, declined(events, "mla_prefill")
+    torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=0.05)
