@@ -5,6 +5,8 @@ Three tables, each measured in one process, interleaved, medians:
   materialised bool causal mask), DeepSeek-V2-Lite's 16 heads, at each --tokens: eager, stock
   torch.compile and mla_inductor, in GFLOP/s on the FLOPs causal attention needs (half the square) and
   as a fraction of oneDNN's best GEMM rate timed in the same rounds;
+- gqa: the same for Llama-3-8B's heads (32 over 8 key/value heads of 128, repeated by transformers'
+  repeat_kv), where stock runs ATen's flash attention (gqa_prefill);
 - memory: the peak resident memory a compiled prefill of one V2-Lite layer adds above its weights and
   inputs at the largest --tokens, stock and ours (each in a process of its own);
 - model: transformers' DeepseekV2 at V2-Lite's shape with its MoE (the first layer dense, then MoE
@@ -25,27 +27,34 @@ from mla_inductor import benchmarking, record
 from mla_inductor.models.hf import build_hf_model
 
 HEADS, QK_HEAD_DIM, V_HEAD_DIM = 16, 192, 128  # DeepSeek-V2-Lite
+# (heads, key/value heads, q/k head size, v head size) of each attention table
+SHAPES = {"attention": (HEADS, HEADS, QK_HEAD_DIM, V_HEAD_DIM), "gqa": (32, 8, 128, 128)}
 
 
-def causal_flops(tokens: int) -> float:
-    """The multiply-adds causal attention needs, x2: half of the scores and of P.V."""
-    return HEADS * tokens * tokens * (QK_HEAD_DIM + V_HEAD_DIM)
+def repeat_kv(x, n_rep):
+    """transformers' repeat_kv."""
+    batch, kv_heads, rows, head_dim = x.shape
+    return x[:, :, None].expand(batch, kv_heads, n_rep, rows, head_dim).reshape(batch, kv_heads * n_rep, rows, head_dim)
 
 
 def attention(q, k, v, mask):
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=QK_HEAD_DIM**-0.5)
+    n_rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), attn_mask=mask,
+                                          scale=q.shape[-1] ** -0.5)
 
 
-def attention_table(tokens_list: list[int], rounds: int) -> None:
+def attention_table(tokens_list: list[int], rounds: int, shape: tuple[int, int, int, int]) -> None:
+    heads, kv_heads, d, dv = shape
+    print(f"{heads} query heads over {kv_heads} key/value heads, q/k {d} wide, v {dv}")
     gemm, gemm_flops = benchmarking.gemm_probe()
     print("| tokens | eager ms | stock ms | mla ms | x stock | mla GFLOP/s | mla % of GEMM | stock % of GEMM "
           "| oneDNN GEMM GFLOP/s | fired |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in tokens_list:
         g = torch.Generator().manual_seed(0)
-        q = torch.randn(1, HEADS, tokens, QK_HEAD_DIM, generator=g).bfloat16()
-        k = torch.randn(1, HEADS, tokens, QK_HEAD_DIM, generator=g).bfloat16()
-        v = torch.randn(1, tokens, HEADS, V_HEAD_DIM, generator=g).bfloat16().transpose(1, 2)
+        q = torch.randn(1, heads, tokens, d, generator=g).bfloat16()
+        k = torch.randn(1, kv_heads, tokens, d, generator=g).bfloat16()
+        v = torch.randn(1, tokens, kv_heads, dv, generator=g).bfloat16().transpose(1, 2)
         mask = torch.ones(tokens, tokens, dtype=torch.bool).tril()[None, None]
         record.reset_counts()
         torch._dynamo.reset()
@@ -54,12 +63,13 @@ def attention_table(tokens_list: list[int], rounds: int) -> None:
         with torch.no_grad():
             stock(q, k, v, mask)
             ours(q, k, v, mask)
-            fired = record.fusion_counts()["mla_prefill"]
+            counts = record.fusion_counts()
+            fired = counts["mla_prefill"] + counts["gqa_prefill"]
             fns = {"eager": lambda: attention(q, k, v, mask), "stock": lambda: stock(q, k, v, mask),
                    "mla": lambda: ours(q, k, v, mask), "gemm": gemm}
             t = benchmarking.interleaved_medians(fns, rounds=rounds, calls=1, budget_s=300)
         rate = gemm_flops / t["gemm"]
-        flops = causal_flops(tokens)
+        flops = heads * tokens * tokens * (d + dv)  # causal: half of the scores and of P.V, x2
         print(f"| {tokens} | {t['eager'] * 1e3:.0f} | {t['stock'] * 1e3:.0f} | {t['mla'] * 1e3:.1f} "
               f"| {t['stock'] / t['mla']:.2f} | {flops / t['mla'] / 1e9:.0f} | {flops / t['mla'] / rate:.0%} "
               f"| {flops / t['stock'] / rate:.0%} | {rate / 1e9:.0f} | {fired} |", flush=True)
@@ -130,7 +140,8 @@ class _Prefill(torch.nn.Module):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", nargs="+", choices=("attention", "memory", "model"), default=["attention", "memory", "model"])
+    p.add_argument("--part", nargs="+", choices=("attention", "gqa", "memory", "model"),
+                   default=["attention", "gqa", "memory", "model"])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument("--model-tokens", type=int, nargs="+", default=[2048, 4096])
     p.add_argument("--layers", type=int, default=2)
@@ -138,8 +149,9 @@ def main():
     args = p.parse_args()
     benchmarking.fresh_compiles()
     print(benchmarking.machine_line())
-    if "attention" in args.part:
-        attention_table(args.tokens, args.rounds)
+    for part in ("attention", "gqa"):
+        if part in args.part:
+            attention_table(args.tokens, args.rounds, SHAPES[part])
     if "memory" in args.part:
         memory_table(max(args.tokens))
     if "model" in args.part:

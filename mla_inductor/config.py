@@ -25,6 +25,7 @@ FUSIONS = (
     "linear",
     "moe",
     "mla_prefill",
+    "gqa_prefill",
 )
 
 OPTION_PREFIX = "mla_inductor."

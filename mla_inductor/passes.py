@@ -85,7 +85,7 @@ class MLAPass(CustomGraphPass):
         # compile that could lower our ops runs this pass first, or hits the cache and lowers nothing.
         mla_config.set_active(self.config)
         if self.stage == PRE_GRAD:
-            if self.config.enabled(mla_prefill.FUSION) and mla_prefill.rewrite_sdpa(graph, self.stage):
+            if mla_prefill.rewrite_sdpa(graph, self.stage, self.config.enabled):
                 graph.owning_module.recompile()
             return
         register_all()
