@@ -94,7 +94,7 @@ def test_backend_runs_user_pass_and_ours_with_mode_and_options(monkeypatch):
     )
     x = torch.randn(4, 4)
     torch.testing.assert_close(f(x), torch.relu(x) + 1)
-    assert sorted(seen) == ["joint", "post_grad"]
+    assert sorted(seen) == ["joint", "post_grad", "pre_grad"]
 
     seen.clear()
     torch._dynamo.reset()
@@ -104,18 +104,18 @@ def test_backend_runs_user_pass_and_ours_with_mode_and_options(monkeypatch):
         options={"post_grad_custom_post_pass": user, "mla_inductor.fusions": {"rope": False}},
     )
     torch.testing.assert_close(g(x), torch.relu(x) * 3)
-    assert user.calls == 1 and sorted(seen) == ["joint", "post_grad"]
+    assert user.calls == 1 and sorted(seen) == ["joint", "post_grad", "pre_grad"]
 
 
 def test_inductor_options_give_the_stock_backend_our_passes(monkeypatch):
     seen = []
     monkeypatch.setattr(passes.MLAPass, "__call__", lambda self, graph: seen.append(self.stage))
     options = mla_inductor.inductor_options(fusions={"rope": False})
-    assert set(options) == {"joint_custom_post_pass", "post_grad_custom_post_pass"}
+    assert set(options) == {"pre_grad_custom_pass", "joint_custom_post_pass", "post_grad_custom_post_pass"}
     f = torch.compile(lambda x: torch.cos(x) - 1, options=options)
     x = torch.randn(5)
     torch.testing.assert_close(f(x), torch.cos(x) - 1)
-    assert sorted(seen) == ["joint", "post_grad"]
+    assert sorted(seen) == ["joint", "post_grad", "pre_grad"]
 
 
 class TwoLinears(torch.nn.Module):
