@@ -392,3 +392,112 @@ def test_transformers_deepseek_eager_attention_prefill():
     out, events = rewrite_and_run(lambda i: model(input_ids=i).logits, ids)
     assert fired(events, "mla_prefill") == 2, declined(events, "mla_prefill")
     torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=0.05)
+
+
+# --- SGLang's extend attention ------------------------------------------------------------------------
+
+
+def extend_case(prefix_lens, new_lens, heads, kv_heads, d, dv, buffer_heads=None, cache_dtype=torch.bfloat16,
+                encoder_lens=None, seed=0):
+    """A batch of requests as a radix-cache server holds them: each request's slots in a token pool (its
+    encoder rows, its prefix, then its new tokens), the new tokens' q, k and v packed one request after
+    another. Non-contiguous q/k/v and buffers, as SGLang's own test passes them."""
+    g = torch.Generator().manual_seed(seed)
+    batch = len(prefix_lens)
+    buffer_heads = buffer_heads or kv_heads
+    encoder_lens = encoder_lens or [0] * batch
+    lengths = [p + n for p, n in zip(prefix_lens, new_lens)]
+    total = sum(lengths) + sum(encoder_lens)
+    req_to_token = torch.zeros(batch + 1, max(l + e for l, e in zip(lengths, encoder_lens)), dtype=torch.int32)
+    order = torch.randperm(total, generator=g).to(torch.int32)  # slots scattered over the pool
+    at = 0
+    for i, (length, enc) in enumerate(zip(lengths, encoder_lens)):
+        req_to_token[i + 1, :length + enc] = order[at:at + length + enc]  # pool row i + 1: indices matter
+        at += length + enc
+    k_buffer = torch.randn(total, buffer_heads, d, generator=g).to(torch.bfloat16)
+    v_buffer = torch.randn(total, buffer_heads, dv, generator=g).to(torch.bfloat16)
+    k_scale = v_scale = None
+    if cache_dtype == torch.float8_e4m3fn:  # per-token scales
+        k_scale, v_scale = (torch.rand(total, 1, 1, generator=g) * 0.1 + 0.01 for _ in range(2))
+        k_buffer, v_buffer = (k_buffer.float() / k_scale).to(cache_dtype), (v_buffer.float() / v_scale).to(cache_dtype)
+    elif cache_dtype != torch.bfloat16:
+        k_buffer, v_buffer = k_buffer.to(cache_dtype), v_buffer.to(cache_dtype)
+    k_rows = k_buffer.float() * (k_scale if k_scale is not None else 1)
+    v_rows = v_buffer.float() * (v_scale if v_scale is not None else 1)
+    tokens = sum(new_lens)
+    q = (torch.randn(heads, tokens, d, generator=g) * 3).to(torch.bfloat16).transpose(0, 1)
+    k_extend = torch.empty(kv_heads, tokens, d, dtype=torch.bfloat16).transpose(0, 1)
+    v_extend = torch.empty(kv_heads, tokens, dv, dtype=torch.bfloat16).transpose(0, 1)
+    starts = torch.tensor([0] + list(torch.tensor(new_lens).cumsum(0)[:-1]), dtype=torch.int64)
+    for i, (prefix, new, enc) in enumerate(zip(prefix_lens, new_lens, encoder_lens)):
+        slots = req_to_token[i + 1, enc + prefix:enc + prefix + new].long()
+        k_extend[starts[i]:starts[i] + new] = k_rows[slots].to(torch.bfloat16)
+        v_extend[starts[i]:starts[i] + new] = v_rows[slots].to(torch.bfloat16)
+    return dict(q_extend=q, k_extend=k_extend, v_extend=v_extend, k_buffer=k_buffer, v_buffer=v_buffer,
+                k_scale=k_scale, v_scale=v_scale, req_to_token=req_to_token,
+                req_pool_indices=torch.arange(1, batch + 1), seq_lens=torch.tensor(lengths),
+                extend_seq_lens=torch.tensor(new_lens), extend_start_loc=starts,
+                encoder_lens=torch.tensor(encoder_lens), k_rows=k_rows, v_rows=v_rows)
+
+
+def extend_fp64(case, scale, logit_cap=0.0, is_cross_attn=False):
+    """Each request's new tokens against its rows in the pool, in fp64, from the pool's dequantized rows."""
+    q = case["q_extend"]
+    out = torch.zeros(q.shape[0], q.shape[1], case["v_rows"].shape[-1], dtype=torch.float64)
+    for i in range(len(case["seq_lens"])):
+        start, new, length = (int(case[n][i]) for n in ("extend_start_loc", "extend_seq_lens", "seq_lens"))
+        enc = int(case["encoder_lens"][i])
+        slots = case["req_to_token"][int(case["req_pool_indices"][i])].long()
+        rows = slots[:enc] if is_cross_attn else slots[enc:enc + length]
+        k, v = (case[n][rows].transpose(0, 1)[None] for n in ("k_rows", "v_rows"))
+        query = q[start:start + new].transpose(0, 1)[None]
+        out[start:start + new] = attention_fp64(query, k, v, None, not is_cross_attn, scale, logit_cap)[0].transpose(0, 1)
+    return out
+
+
+def run_extend(case, scale, logit_cap=0.0, is_cross_attn=False):
+    out = torch.full((case["q_extend"].shape[0], case["q_extend"].shape[1], case["v_buffer"].shape[-1]), float("nan"),
+                     dtype=torch.bfloat16)
+    torch.ops.mla.extend_attention(
+        case["q_extend"], case["k_extend"], case["v_extend"], out, case["k_buffer"], case["v_buffer"],
+        case["k_scale"], case["v_scale"], case["req_to_token"], case["req_pool_indices"], case["seq_lens"],
+        case["extend_seq_lens"], case["extend_start_loc"], int(case["extend_seq_lens"].max()), scale, logit_cap,
+        is_cross_attn, case["encoder_lens"])
+    return out
+
+
+@pytest.mark.parametrize(
+    "prefix_lens, new_lens, heads, kv_heads, d, dv, buffer_heads, cache_dtype",
+    [
+        ([5, 0, 17], [7, 3, 1], 4, 2, 48, 32, None, torch.bfloat16),  # grouped heads, D != DV, a request with no prefix
+        ([0, 0], [9, 4], 4, 4, 48, 32, 1, torch.bfloat16),  # MLA: one latent head in the buffers, new tokens only
+        ([6], [5], 2, 1, 24, 24, 1, torch.bfloat16),  # MLA over a cached latent prefix
+        ([4, 8], [3, 2], 2, 2, 32, 16, None, torch.float8_e4m3fn),  # fp8 pool with per-token scales
+        ([4], [3], 2, 2, 32, 16, None, torch.float8_e5m2),
+    ],
+)
+def test_extend_attention_matches_fp64(prefix_lens, new_lens, heads, kv_heads, d, dv, buffer_heads, cache_dtype):
+    case = extend_case(prefix_lens, new_lens, heads, kv_heads, d, dv, buffer_heads, cache_dtype)
+    out = run_extend(case, d**-0.5, logit_cap=0.0)
+    torch.testing.assert_close(out.double(), extend_fp64(case, d**-0.5), atol=1e-2, rtol=1e-2)
+
+
+def test_extend_attention_cross_attention_and_logit_cap():
+    case = extend_case([2, 3], [4, 2], 2, 2, 16, 8, encoder_lens=[5, 3])
+    for cross in (True, False):
+        out = run_extend(case, 0.25, logit_cap=5.0, is_cross_attn=cross)
+        torch.testing.assert_close(out.double(), extend_fp64(case, 0.25, 5.0, cross), atol=1e-2, rtol=1e-2)
+
+
+def test_extend_attention_bad_arguments_are_named():
+    case = extend_case([2], [3], 2, 2, 16, 8)
+    with pytest.raises(ValueError, match="o_extend must be"):
+        torch.ops.mla.extend_attention(
+            case["q_extend"], case["k_extend"], case["v_extend"], torch.empty(3, 2, 9, dtype=torch.bfloat16),
+            case["k_buffer"], case["v_buffer"], None, None, case["req_to_token"], case["req_pool_indices"],
+            case["seq_lens"], case["extend_seq_lens"], case["extend_start_loc"], 3, 0.25)
+    with pytest.raises(ValueError, match="does not fit"):
+        torch.ops.mla.extend_attention(
+            case["q_extend"], case["k_extend"], case["v_extend"], torch.empty(3, 2, 8, dtype=torch.bfloat16),
+            case["k_buffer"], case["v_buffer"], None, None, case["req_to_token"], case["req_pool_indices"],
+            case["seq_lens"], torch.tensor([9]), case["extend_start_loc"], 3, 0.25)
