@@ -202,6 +202,23 @@ def is_score_sum(n) -> bool:
         return False
 
 
+def score_contraction(term: torch.fx.Node) -> tuple[contraction.Contraction, contraction.Layout, bool]:
+    """The contraction behind a term of the logits, its output's layout at the term (through the layout
+    ops between), and whether the queries are its first operand (the softmax runs over the other's free
+    dim). Unsupported where the scores are used elsewhere too, or the softmax's dim is not one operand's."""
+    scores = contraction.Contraction.of(contraction.trace_back(term).origin)
+    at, layout = scores.node, scores.output_layout()
+    while at is not term:
+        if len(at.users) != 1:
+            raise contraction.Unsupported(f"{scores.node.name}'s result is used before the softmax")
+        (at,) = at.users
+        layout = contraction.apply(layout, at)
+    last = layout.dims[-1]
+    if not last or len({f.label[0] for f in last}) != 1 or last[0].label[0] not in ("m", "n"):
+        raise contraction.Unsupported("the softmax does not run over one operand's free dim")
+    return scores, layout, last[0].label[0] == "n"
+
+
 def next_contraction(node: torch.fx.Node) -> Optional[tuple[contraction.Contraction, bool]]:
     """The contraction that reads `node` (through layout ops) and whether node is its first operand."""
     end, _, _ = contraction.trace_forward(node, contraction.Layout.identity(contraction.shape(node)))

@@ -38,7 +38,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..ops.gqa_decode import check_args
 from . import contraction
 from .attention_scores import (SINKS, Logits, logits_of_softmax, mask_argument, next_contraction, read_logits,
-                               roles_of_contraction, scale_by_tensors, scores_beside_sinks, softmax_divisions)
+                               roles_of_contraction, scale_by_tensors, score_contraction, scores_beside_sinks,
+                               softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion
 
@@ -270,16 +271,8 @@ def _find_candidate(div: torch.fx.Node) -> Optional[_Candidate]:
             return None  # values read from the keys' tensor: latent attention (mla_decode)
         if sinks_beside is not None:
             raise Decline(SINKS)
-        at, layout = scores.node, scores.output_layout()
-        while at is not term:  # the layout ops from the bmm to the logits
-            if len(at.users) != 1:
-                return None
-            (at,) = at.users
-            layout = contraction.apply(layout, at)
+        scores, layout, query_is_a = score_contraction(term)
         last = layout.dims[-1]
-        if not last or len({f.label[0] for f in last}) != 1 or last[0].label[0] not in ("m", "n"):
-            return None
-        query_is_a = last[0].label[0] == "n"
         roles = _score_roles(scores, query_is_a)
     except contraction.Unsupported:
         return None

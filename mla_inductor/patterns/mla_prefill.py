@@ -34,7 +34,7 @@ from ..ops.mla_prefill import check_args
 from ..record import record_decision
 from . import contraction
 from .attention_scores import (Logits, logits_of_softmax, next_contraction, read_logits, roles_of_contraction,
-                               softmax_divisions)
+                               score_contraction, softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import register_anchored_rewrite
 
@@ -242,29 +242,20 @@ def rewrite_written_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
         logits = read_logits(logits_node)
         if len(logits.terms) != 1:
             return False
-        (term,) = logits.terms
-        scores = contraction.Contraction.of(contraction.trace_back(term).origin)
-        at, layout = scores.node, scores.output_layout()
-        while at is not term:  # the layout ops from the bmm to the logits
-            if len(at.users) != 1:
-                return False
-            (at,) = at.users
-            layout = contraction.apply(layout, at)
-        last = layout.dims[-1]
-        if not last or len({f.label[0] for f in last}) != 1 or last[0].label[0] not in ("m", "n"):
-            return False
-        query_is_a = last[0].label[0] == "n"
+        scores, layout, query_is_a = score_contraction(logits.terms[0])
         roles = _score_roles(scores, query_is_a)
     except contraction.Unsupported:
         return False
+    value, probs_is_a = found
     feature = math.prod(size for axis, (_, _, size) in scores.axes.items() if roles[axis] == "feature")
-    if same(feature, contraction.shape(found[0].node)[-1]):
+    free = "n" if probs_is_a else "m"  # the values' own free axis
+    value_width = math.prod(size for axis, (_, _, size) in value.axes.items() if axis[0] == free)
+    if same(feature, value_width):
         return False  # q/k and v heads of one size: not MLA's (grouped-query attention keeps its own)
     # From here on the softmax reads MLA attention scores of many query rows: near misses are reported.
-    if [f.label for f in last] != [a for a in scores.axes if roles[a] == "rows"]:
+    if [f.label for f in layout.dims[-1]] != [a for a in scores.axes if roles[a] == "rows"]:
         raise Decline("the softmax dim does not hold every key row")
     scores_roles = axis_roles(layout, roles)
-    value, probs_is_a = found
     value_roles = roles_of_contraction(value, probs_is_a, scores_roles, "value_column", "group")
     if not all((axis[0] == "k") == (role == "rows") for axis, role in value_roles.items()):
         raise Decline("P.V does not contract the probabilities' rows with the value rows")
