@@ -58,10 +58,12 @@ def fusion_of(kw: dict) -> Optional[str]:
     """The fusion an SDPA call over many query rows is a candidate of: mla_prefill where q/k and v heads
     differ (SDPA's math path), gqa_prefill where they share a size and ours beats ATen's flash attention
     (see above); None for the rest (one query row: the decode fusions)."""
-    query, value = _value(kw["query"]), _value(kw["value"])
-    if not (isinstance(query, torch.Tensor) and isinstance(value, torch.Tensor) and query.dim() == value.dim() == 4
+    query, key, value = _value(kw["query"]), _value(kw["key"]), _value(kw["value"])
+    if not (all(isinstance(t, torch.Tensor) for t in (query, key, value)) and query.dim() == value.dim() == 4
             and query.device.type == "cpu") or statically_known_true(query.shape[2] == 1):
         return None
+    if any(t.requires_grad for t in (query, key, value)):
+        return None  # training: the op has no backward (inference graphs only)
     if not statically_known_true(query.shape[-1] == value.shape[-1]):
         return FUSION
     return GQA_FUSION if isa.host_isa() != "amx" and query.dtype == torch.bfloat16 else None
