@@ -19,8 +19,8 @@ MLA_FAMILY_GAPS = {
     "hy_v4": {"q_b_absorb": "no mla_decode to absorb into",
               "mla_decode": "attention sinks (a learned per-head logit in the softmax: explain() says so), a sigmoid "
                             "gate on the output, and eager attention over kv_b_proj's heads"},
-    "kimi_linear": {"rope": "its MLA layers have no RoPE", "q_b_absorb": "MLA without RoPE",
-                    "mla_decode": "MLA without RoPE: scores over c_kv alone"},
+    "kimi_linear": {"rope": "its MLA layers have no RoPE",
+                    "q_b_absorb": "its query has no RoPE part, which q_b_absorb's kernel rotates"},
     "longcat_flash": {"q_b_absorb": "its q_b_proj is not read as the fusion expects"},
 }
 MLA_FAMILIES_FIRING_ALL = ("axk1", "bailing_hybrid", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3",

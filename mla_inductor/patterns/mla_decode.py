@@ -67,11 +67,11 @@ def paged_absorbed_decode_replacement(q, kv_cache, block_tables, seq_lens, w_vc,
     return _op(q, kv_cache, block_tables, seq_lens, w_vc.shape[-1], scale, w_vc=w_vc).transpose(0, 1)
 
 
-def hf_decode(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask, sqrt_scale):
-    """transformers DeepseekV3Attention (5.x) from the updated caches on: c_kv [B, 1, T, L] and
-    k_pe [B, 1, T, rope] (after the cache write), q_nope [B, H, S, nope], roped q_pe [B, H, S, rope]."""
+def _hf_attention(c_kv, k_pe, kv_b_weight, query, nope, mask, sqrt_scale):
+    """transformers' MLA attention (5.x) from the updated caches on: c_kv [B, 1, T, L] and k_pe [B, 1, T,
+    rope] (after the cache write), the query [B, H, S, nope + rope], kv_b_proj expanding the whole cache."""
     batch, _, seq_len, kv_lora_rank = c_kv.shape
-    nope, heads = q_nope.shape[-1], q_nope.shape[1]
+    heads = query.shape[1]
     v_head_dim = kv_b_weight.shape[0] // heads - nope
     kv = F.linear(c_kv, kv_b_weight).view(batch, seq_len, -1, nope + v_head_dim).transpose(1, 2)
     k_nope, value = torch.split(kv, [nope, v_head_dim], dim=-1)
@@ -79,10 +79,24 @@ def hf_decode(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask, sqrt_scale):
     key = kv.new_empty(*kv.shape[:-1], nope + k_pe.shape[-1])
     key[..., :nope].copy_(k_nope)
     key[..., nope:].copy_(k_rot)
-    query = torch.cat((q_nope, q_pe), dim=-1)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask, dropout_p=0.0, scale=sqrt_scale * sqrt_scale, is_causal=False
     )
+
+
+def hf_decode(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask, sqrt_scale):
+    """transformers DeepseekV3Attention: q_nope [B, H, S, nope] and the roped q_pe [B, H, S, rope] joined."""
+    return _hf_attention(c_kv, k_pe, kv_b_weight, torch.cat((q_nope, q_pe), dim=-1), q_nope.shape[-1], mask,
+                         sqrt_scale)
+
+
+def hf_decode_whole_query(c_kv, k_pe, kv_b_weight, query, mask, sqrt_scale):
+    """Kimi-Linear's MLA layers: no RoPE, so the query reaches the attention whole, as its projection made it."""
+    return _hf_attention(c_kv, k_pe, kv_b_weight, query, query.shape[-1] - k_pe.shape[-1], mask, sqrt_scale)
+
+
+def hf_decode_whole_query_unmasked(c_kv, k_pe, kv_b_weight, query, sqrt_scale):
+    return hf_decode_whole_query(c_kv, k_pe, kv_b_weight, query, None, sqrt_scale)
 
 
 def hf_decode_unmasked(c_kv, k_pe, kv_b_weight, q_nope, q_pe, sqrt_scale):
@@ -119,6 +133,16 @@ def hf_decode_replacement(c_kv, k_pe, kv_b_weight, q_nope, q_pe, mask, sqrt_scal
 
 def hf_decode_unmasked_replacement(c_kv, k_pe, kv_b_weight, q_nope, q_pe, sqrt_scale):
     return _absorbed(c_kv, k_pe, kv_b_weight, q_nope, q_pe, None, sqrt_scale)
+
+
+def hf_decode_whole_query_replacement(c_kv, k_pe, kv_b_weight, query, mask, sqrt_scale):
+    nope = query.shape[-1] - k_pe.shape[-1]
+    return _absorbed(c_kv, k_pe, kv_b_weight, query[..., :nope], query[..., nope:], mask[:, 0, 0], sqrt_scale)
+
+
+def hf_decode_whole_query_unmasked_replacement(c_kv, k_pe, kv_b_weight, query, sqrt_scale):
+    nope = query.shape[-1] - k_pe.shape[-1]
+    return _absorbed(c_kv, k_pe, kv_b_weight, query[..., :nope], query[..., nope:], None, sqrt_scale)
 
 
 # --- preconditions --------------------------------------------------------------------------------
@@ -196,6 +220,9 @@ def _hf_literal_mismatch(match: Match, nope: int, v_head_dim: int, heads: int) -
 
 def check_hf(match: Match) -> Optional[str]:
     kw = {name: node_value(arg) for name, arg in match.kwargs.items()}
+    if "query" in kw:  # the query whole (no RoPE): its parts as the absorption reads them
+        nope = kw["query"].shape[-1] - kw["k_pe"].shape[-1]
+        kw["q_nope"], kw["q_pe"] = kw["query"][..., :nope], kw["query"][..., nope:]
     c_kv, k_pe, w, q_nope, q_pe = (kw[k] for k in ("c_kv", "k_pe", "kv_b_weight", "q_nope", "q_pe"))
     if q_nope.shape[2] != 1:
         return f"{q_nope.shape[2]} query rows: absorbing pays for decode, not for prefill"
@@ -291,6 +318,15 @@ def register() -> None:
             functionalize=True,
             size_agnostic=True,
         )
+        # Kimi-Linear's MLA: the query whole (its rows: q_nope and q_pe of _hf_inputs, side by side)
+        c_kv, k_pe, weight, q_nope, q_pe, mask, _ = _hf_inputs(batch, dtype)
+        query = torch.empty(*q_nope.shape[:-1], q_nope.shape[-1] + q_pe.shape[-1], dtype=dtype)
+        for search, replace, inputs in (
+            (hf_decode_whole_query, hf_decode_whole_query_replacement, [c_kv, k_pe, weight, query, mask]),
+            (hf_decode_whole_query_unmasked, hf_decode_whole_query_unmasked_replacement, [c_kv, k_pe, weight, query]),
+        ):
+            register_fusion(FUSION, search, replace, inputs + [_SQRT_SCALE], check_hf,
+                            scalar_workaround={"sqrt_scale": _SQRT_SCALE}, functionalize=True, size_agnostic=True)
 
 
 # --- anchored match: the math of latent attention, however it is spelled ----------------------------
