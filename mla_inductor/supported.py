@@ -21,7 +21,7 @@ MLA_FAMILY_GAPS = {
                             "gate on the output, and eager attention over kv_b_proj's heads"},
     "kimi_linear": {"rope": "its MLA layers have no RoPE",
                     "q_b_absorb": "its query has no RoPE part, which q_b_absorb's kernel rotates"},
-    "longcat_flash": {"q_b_absorb": "its q_b_proj is not read as the fusion expects"},
+    "longcat_flash": {"q_b_absorb": "q_nope and q_pe scaled by a constant (its LoRA scaling) after q_b_proj"},
 }
 MLA_FAMILIES_FIRING_ALL = ("axk1", "bailing_hybrid", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3",
                            "youtu")
