@@ -3,8 +3,8 @@
 // A task owns one (request, query head) and a tile of query rows (prefill_rows). It walks the key rows the
 // tile's rows admit in blocks of kKvBlock, with latent_attention.h's online softmax (a running max and sum
 // per query row, an unnormalised fp32 output), so memory stays O(tile) whatever the length. Both products
-// are packed_dot.h's GEMM tiles, the CPU's fastest bf16 path (dpbf16 with AVX512-BF16, widened FMAs
-// without):
+// are packed_dot.h's GEMM tiles (dpbf16 with AVX512-BF16, AMX CPUs included: AMX tiles are not used
+// here yet; widened FMAs without):
 //   scores = q . K^T  -- K's rows packed as the "weight" of an NN GEMM (kPackedCols key rows a block);
 //   o     += p . V    -- p rounded to bf16, V's columns packed over all its rows (kPackedCols a block).
 // K and V are packed once per (request, key/value head) before the tasks, in parallel: every query tile
