@@ -25,16 +25,11 @@ import torch.nn.functional as F
 
 from mla_inductor import benchmarking, record
 from mla_inductor.models.hf import build_hf_model
+from mla_inductor.patterns.gqa_decode import repeat_kv  # as transformers spells it
 
 HEADS, QK_HEAD_DIM, V_HEAD_DIM = 16, 192, 128  # DeepSeek-V2-Lite
 # (heads, key/value heads, q/k head size, v head size) of each attention table
 SHAPES = {"attention": (HEADS, HEADS, QK_HEAD_DIM, V_HEAD_DIM), "gqa": (32, 8, 128, 128)}
-
-
-def repeat_kv(x, n_rep):
-    """transformers' repeat_kv."""
-    batch, kv_heads, rows, head_dim = x.shape
-    return x[:, :, None].expand(batch, kv_heads, n_rep, rows, head_dim).reshape(batch, kv_heads * n_rep, rows, head_dim)
 
 
 def attention(q, k, v, mask):

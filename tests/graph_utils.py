@@ -155,33 +155,47 @@ def compiled_greedy_decode(model, freezing, steps):
 
 def rewrite_and_run(fn, *args, dynamic=None):
     """Trace fn as Inductor does (AOTAutograd with Inductor's decompositions), run MLAPass's stages on
-    Dynamo's graph and on the forward graph and run that graph eagerly (our ops' reference
-    implementations): the output and the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays cheap;
-    the templates are tested on their own and by the compiled models. `dynamic` as torch.compile's."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-
+    Dynamo's graph and on the forward graph and run that graph eagerly (our ops' references): the output
+    and the record of what fired and what was declined. No C++ is built, so a corpus of spellings stays
+    cheap; the templates are tested on their own and by the compiled models. `dynamic` as torch.compile's."""
     from mla_inductor import record
 
+    start = record.event_count()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(fn, backend=_rewriting_backend(inductor_joint_passes=False), dynamic=dynamic)(*args)
+    return out, record.events_since(start)
+
+
+def _rewriting_backend(inductor_joint_passes: bool):
+    """A torch.compile backend that runs MLAPass's stages where compile_fx runs them (pre-grad on Dynamo's
+    graph, then joint and post-grad on AOT's forward graph) and the rewritten graph eagerly, on our ops'
+    references; with `inductor_joint_passes`, after Inductor's own joint-graph passes (constant folding,
+    no-op removal), which the traced decode patterns expect. The last forward graph is kept as
+    rewrite_and_run.graph, for tests of what it held."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
     def forward(gm, example_inputs):
-        rewrite_and_run.graph = gm.graph  # the last graph rewritten, for tests of what it held
-        MLAPass("joint")(gm.graph)
+        rewrite_and_run.graph = gm.graph
+        if inductor_joint_passes:
+            with torch._inductor.config.patch(joint_custom_post_pass=MLAPass("joint")):
+                joint_graph_passes(gm)
+        else:
+            MLAPass("joint")(gm.graph)
         view_to_reshape(gm)
         MLAPass("post_grad")(gm.graph)
         gm.recompile()
         return gm
 
     def backend(gm, example_inputs):
-        MLAPass("pre_grad")(gm.graph)  # on Dynamo's graph, as compile_fx runs it before AOT
+        MLAPass("pre_grad")(gm.graph)
         gm.recompile()
         return aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())(gm, example_inputs)
 
-    start = record.event_count()
-    torch._dynamo.reset()
-    with torch.no_grad():
-        out = torch.compile(fn, backend=backend, dynamic=dynamic)(*args)
-    return out, record.events_since(start)
+    return backend
 
 
 def has_dynamic_sizes(graph: torch.fx.Graph) -> bool:
@@ -196,23 +210,5 @@ def declined(events, fusion):
     return [e.reason for e in events if e.fusion == fusion and not e.fired]
 
 
-def inductor_passes_backend(gm, example_inputs):
-    """A torch.compile backend that runs MLAPass where Inductor runs it, after Inductor's own joint-graph
-    passes (constant folding, no-op removal, which the traced decode patterns expect), and then runs the
-    graph eagerly on our ops' references: what fires in a real compile, without building any C++."""
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._inductor.decomposition import select_decomp_table
-    from torch._inductor.fx_passes.joint_graph import joint_graph_passes
-    from torch._inductor.fx_passes.post_grad import view_to_reshape
-
-    def forward(gm, example_inputs):
-        with torch._inductor.config.patch(joint_custom_post_pass=MLAPass("joint")):
-            joint_graph_passes(gm)
-        view_to_reshape(gm)
-        MLAPass("post_grad")(gm.graph)
-        gm.recompile()
-        return gm
-
-    MLAPass("pre_grad")(gm.graph)
-    gm.recompile()
-    return aot_autograd(fw_compiler=forward, decompositions=select_decomp_table())(gm, example_inputs)
+# What fires in a real compile, without building any C++ (Inductor's joint-graph passes, then ours).
+inductor_passes_backend = _rewriting_backend(inductor_joint_passes=True)

@@ -13,6 +13,7 @@ import mla_inductor
 from graph_utils import declined, fired, rewrite_and_run, tiny_gqa_model
 from mla_inductor import isa
 from mla_inductor.models.hf import build_hf_model
+from mla_inductor.patterns.gqa_decode import repeat_kv
 from torch._inductor.utils import run_and_get_code
 
 OP = torch.ops.mla.prefill_attention
@@ -193,6 +194,13 @@ def test_template_v2_lite_heads_with_transformers_mask(batch, rows):
     check_template(compiled_op(True, False, 0.0, True), q, k, v, masks("padding", batch, 2, rows, rows), False)
 
 
+def test_template_padding_mask_shared_by_the_query_rows():
+    """A [B, 1, 1, Tk] padding mask with the causal flag: the kernel scans each mask row once."""
+    q, k, v = make_inputs(2, 2, 2, 20, 30, 48, 32)
+    padding = (torch.arange(30) >= torch.tensor([0, 7])[:, None])[:, None, None, :]
+    check_template(compiled_op(True, True, 0.0, True), q, k, v, padding, True)
+
+
 def test_template_additive_mask_per_head_and_softcap():
     q, k, v = make_inputs(2, 3, 3, 33, 40, 64, 48)
     bias = masks("additive", 2, 3, 33, 40)
@@ -270,11 +278,6 @@ def test_not_a_candidate_where_others_serve():
     q, k, v = make_inputs(1, 2, 2, 1, 6, 24, 16)
     _, more = rewrite_and_run(lambda q, k, v: sdpa(q, k, v, None), q, k, v)
     assert not [e for e in events + more if e.fusion == "mla_prefill"]
-
-
-def repeat_kv(x, n_rep):
-    batch, kv_heads, rows, head_dim = x.shape
-    return x[:, :, None].expand(batch, kv_heads, n_rep, rows, head_dim).reshape(batch, kv_heads * n_rep, rows, head_dim)
 
 
 def transformers_eager(q, k, v, mask):
@@ -372,26 +375,26 @@ def test_transformers_deepseek_prefill_compiled():
     torch.testing.assert_close(actual.float(), expected.float(), atol=0.15, rtol=0.05)
 
 
-def test_transformers_deepseek_v2_prefill():
-    """DeepSeek-V2 (complex RoPE) at prefill: the SDPA call of each layer rewritten (graph only)."""
-    model = build_hf_model("tiny", arch="v2", num_hidden_layers=2)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+def assert_prefill_rewritten_per_layer(model, rows):
+    """A prefill of `model` (2 layers) on its rewritten graph: each layer's attention is the op, and the
+    logits stay those of eager."""
+    ids = torch.randint(0, model.config.vocab_size, (2, rows), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = model(input_ids=ids).logits
     out, events = rewrite_and_run(lambda i: model(input_ids=i).logits, ids)
     assert fired(events, "mla_prefill") == 2, declined(events, "mla_prefill")
     torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=0.05)
+
+
+def test_transformers_deepseek_v2_prefill():
+    """DeepSeek-V2 (complex RoPE) at prefill: the SDPA call of each layer rewritten (graph only)."""
+    assert_prefill_rewritten_per_layer(build_hf_model("tiny", arch="v2", num_hidden_layers=2), 24)
 
 
 def test_transformers_deepseek_eager_attention_prefill():
     """attn_implementation="eager": the attention written out (bf16 matmuls, fp32 softmax), read by its math."""
-    model = build_hf_model("tiny", arch="v3", num_hidden_layers=2, attn_implementation="eager")
-    ids = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = model(input_ids=ids).logits
-    out, events = rewrite_and_run(lambda i: model(input_ids=i).logits, ids)
-    assert fired(events, "mla_prefill") == 2, declined(events, "mla_prefill")
-    torch.testing.assert_close(out.float(), expected.float(), atol=0.15, rtol=0.05)
+    assert_prefill_rewritten_per_layer(
+        build_hf_model("tiny", arch="v3", num_hidden_layers=2, attn_implementation="eager"), 20)
 
 
 # --- SGLang's extend attention ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -250,11 +250,12 @@ def roles_of_contraction(c: contraction.Contraction, from_a: bool, source_roles:
     return roles
 
 
-def mask_argument(emit: Emitter, logits: Logits, scores_roles: list, batch: int, rows: int) -> Optional[torch.fx.Node]:
-    """The logits' masks as one [batch or 1, rows] mask (bool, True where a row counts, or an additive
-    float bias), for scores whose dims carry `scores_roles` (`axis_roles`: request, rows, heads)."""
+def mask_argument(emit: Emitter, logits: Logits, view: Callable[[torch.fx.Node], torch.fx.Node]
+                  ) -> Optional[torch.fx.Node]:
+    """The logits' masks as one mask (bool, True where a row counts, or an additive float bias), each laid
+    out by `view` as the op takes it (as_rows_mask: decode's [batch or 1, rows])."""
     aten = torch.ops.aten
-    bias = as_rows_mask(emit, scores_roles, logits.bias, batch, rows) if logits.bias is not None else None
+    bias = view(logits.bias) if logits.bias is not None else None
     if bias is not None and logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
         bias = emit(aten.mul.Tensor, bias, logits.bias_scale)
     if bias is not None and logits.bias_scaled_by_tensors:
@@ -262,7 +263,7 @@ def mask_argument(emit: Emitter, logits: Logits, scores_roles: list, batch: int,
     admit = None
     if logits.admit is not None:
         negate = isinstance(logits.admit, tuple)
-        admit = as_rows_mask(emit, scores_roles, logits.admit[1] if negate else logits.admit, batch, rows)
+        admit = view(logits.admit[1] if negate else logits.admit)
         if negate:
             admit = emit(aten.logical_not.default, admit)
     if bias is None or admit is None:

@@ -37,9 +37,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.gqa_decode import check_args
 from . import contraction
-from .attention_scores import (SINKS, Logits, logits_of_softmax, mask_argument, next_contraction, read_logits,
-                               roles_of_contraction, scale_by_tensors, score_contraction, scores_beside_sinks,
-                               softmax_divisions)
+from .attention_scores import (SINKS, Logits, as_rows_mask, logits_of_softmax, mask_argument, next_contraction,
+                               read_logits, roles_of_contraction, scale_by_tensors, score_contraction,
+                               scores_beside_sinks, softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion
 
@@ -347,7 +347,8 @@ def rewrite_grouped_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
     if cand.logits.scale_tensors:  # a scale the graph holds as a tensor, folded into the query
         query = scale_by_tensors(emit, emit.cast(query, torch.float32), cand.logits)
     query = emit(aten.reshape.default, emit.cast(query, key.meta["val"].dtype), [batch, heads, 1, sizes["feature"]])
-    mask = mask_argument(emit, cand.logits, cand.scores_roles, batch, sizes["rows"])
+    mask = mask_argument(emit, cand.logits,
+                         lambda m: as_rows_mask(emit, cand.scores_roles, m, batch, sizes["rows"]))
     if mask is not None:
         mask = emit(aten.reshape.default, mask, [-1, 1, 1, sizes["rows"]])
     try:

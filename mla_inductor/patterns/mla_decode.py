@@ -25,8 +25,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..ops.mla_decode import check_args, latent_decode_attention_dense
 from . import contraction
-from .attention_scores import (Logits, logits_of_softmax, mask_argument, next_contraction, node_is, read_logits,
-                               SINKS, roles_of_contraction, scale_by_tensors, scores_beside_sinks, softmax_divisions)
+from .attention_scores import (SINKS, Logits, as_rows_mask, logits_of_softmax, mask_argument, next_contraction,
+                               node_is, read_logits, roles_of_contraction, scale_by_tensors, scores_beside_sinks,
+                               softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import node_value, register_anchored_rewrite, register_fusion, upcast
 
@@ -612,7 +613,8 @@ def _rewrite(graph: torch.fx.Graph, cand: _Candidate) -> None:
         tables = lat_read.tables
     lens = emit(aten.full.default, [batch], lat_read.rows, dtype=torch.int64,
                 device=lat_read.cache.meta["val"].device, pin_memory=False)
-    mask = mask_argument(emit, cand.logits, latent.scores_roles, batch, lat_read.rows)
+    mask = mask_argument(emit, cand.logits,
+                         lambda m: as_rows_mask(emit, latent.scores_roles, m, batch, lat_read.rows))
 
     w_vc = None
     if cand.w_vc is not None:

@@ -33,7 +33,7 @@ from .. import isa
 from ..ops.mla_prefill import check_args
 from ..record import record_decision
 from . import contraction
-from .attention_scores import (Logits, logits_of_softmax, next_contraction, read_logits, roles_of_contraction,
+from .attention_scores import (logits_of_softmax, mask_argument, next_contraction, read_logits, roles_of_contraction,
                                score_contraction, softmax_divisions)
 from .contraction import Decline, Emitter, axis_roles, from_role_order, operand_in_role_order, same
 from .registry import register_anchored_rewrite
@@ -218,21 +218,6 @@ def _mask_view(emit: Emitter, mask: torch.fx.Node, scores_roles: list) -> torch.
     return emit(aten.reshape.default, view, [math.prod(sizes.get(role, 1) for role in group) for group in _MASK_ORDER])
 
 
-def _mask_argument(emit: Emitter, logits: Logits, scores_roles: list) -> Optional[torch.fx.Node]:
-    if logits.bias is not None and logits.admit is not None:
-        raise Decline("an additive and a boolean mask both")
-    if logits.bias is not None:
-        bias = logits.bias
-        if logits.bias_scale != 1.0:  # added before a scale: scaled with the scores
-            bias = emit(torch.ops.aten.mul.Tensor, bias, logits.bias_scale)
-        return _mask_view(emit, bias, scores_roles)
-    if logits.admit is not None:
-        negate = isinstance(logits.admit, tuple)
-        admit = _mask_view(emit, logits.admit[1] if negate else logits.admit, scores_roles)
-        return emit(torch.ops.aten.logical_not.default, admit) if negate else admit
-    return None
-
-
 def rewrite_written_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool:
     """The anchored match (see above) on a softmax that may be prefill attention written out."""
     aten = torch.ops.aten
@@ -267,6 +252,8 @@ def rewrite_written_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
             raise Decline("the values differ between the query heads of a group")
     if logits.scale_tensors:
         raise Decline("the scale is a tensor (dynamic=True): not taken yet")
+    if logits.bias is not None and logits.admit is not None:
+        raise Decline("an additive and a boolean mask both")
     operands = (scores.a, scores.b, value.a, value.b)
     if {o.node.meta["val"].dtype for o in operands} != {torch.bfloat16}:
         raise Decline("the products are not bf16 (the template serves bf16)")
@@ -286,7 +273,7 @@ def rewrite_written_attention(graph: torch.fx.Graph, div: torch.fx.Node) -> bool
     key = operand_in_role_order(emit, scores, not query_is_a, roles, ("request", "kv_head", "rows", "feature"), sizes)
     values = operand_in_role_order(emit, value, not probs_is_a, value_roles,
                                    ("request", "kv_head", "rows", "value_column"), sizes)
-    mask = _mask_argument(emit, logits, scores_roles)
+    mask = mask_argument(emit, logits, lambda m: _mask_view(emit, m, scores_roles))
     try:
         out = emit(torch.ops.mla.prefill_attention.default, query, key, values, mask, False, logits.scale,
                    logits.softcap)
